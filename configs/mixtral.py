@@ -1,0 +1,55 @@
+"""Rollout config: `python -m flexfloor_jax.rollout --config=configs/mixtral.py[:preset]`.
+
+Presets: tiny (default; runs on a laptop CPU with emulated devices), 8x7b, 8x22b (TPU/GPU with a
+checkpoint). Override any field with --config.section.field=value.
+"""
+
+import ml_collections
+
+PRESETS = ("tiny", "8x7b", "8x22b")
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+  preset = preset or "tiny"
+  if preset not in PRESETS:
+    raise ValueError(f"unknown preset {preset!r} for configs/mixtral.py; choose one of {PRESETS}")
+  c = ml_collections.ConfigDict()
+  c.preset = preset
+
+  c.model = ml_collections.ConfigDict()
+  c.model.checkpoint = ""  # '' = random init | Hugging Face Mixtral dir | orbax dir
+  c.model.dtype = "float32" if preset == "tiny" else "bfloat16"
+  c.model.moe_backend = "xla"  # 'xla' (default, fast on CPU) | 'pallas'
+  c.model.max_seq_len = 320 if preset == "tiny" else 4096  # KV cache length: prompt + response
+  c.model.init_seed = 0  # random init only
+  c.model.init_scale = 0.1  # std of random init (large enough that logits are not flat)
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.num_devices = 0  # workers: 0 = all devices
+  c.mesh.device_memory_gb = 0.0  # per-device budget; 0 = from the device's memory stats, else 16
+  c.mesh.cpu_devices = 8  # emulated devices when running on CPU (set before jax starts)
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompts = ""  # '' = built-in prompt set | JSONL of {"id", "prompt"} or {"id", "tokens"}
+  c.rollout.num_prompts = 8  # size of the built-in prompt set
+  c.rollout.samples_per_prompt = 8  # GRPO group size (samples adjacent in the batch)
+  c.rollout.max_new_tokens = 256 if preset == "tiny" else 2048
+  c.rollout.max_prompt_len = 48 if preset == "tiny" else 1024  # prefill width
+  c.rollout.slots_per_worker = 4  # decode slots per worker (same for every schedule)
+  c.rollout.lengths = "auto"  # 'model' | 'workload' | lengths JSONL; auto: workload w/o checkpoint
+  c.rollout.epoch = 0  # workload epoch / RL step (keys sampling, drives length history)
+  c.rollout.steps_per_dispatch = 8  # decode steps per device dispatch (host checks in between)
+  c.rollout.output_dir = "rollout_out"
+
+  c.sampling = ml_collections.ConfigDict()
+  c.sampling.temperature = 1.0  # 0 = greedy
+  c.sampling.top_p = 1.0
+  c.sampling.top_k = 0  # 0 = off
+  c.sampling.seed = 0
+
+  c.schedule = "flexfloor"  # 'static' (verl-like baseline) | 'flexfloor'
+
+  c.scheduler = ml_collections.ConfigDict()
+  c.scheduler.history_path = ""  # length history file; '' = <output_dir>/history.json
+  c.scheduler.compaction = True  # migrate stragglers off workers that could be released
+  return c

@@ -1,0 +1,19 @@
+"""Shared bits of the command-line entry points."""
+
+import os
+import sys
+
+
+def fail(msg: str) -> None:
+  """One clear line on stderr and a non-zero exit (no traceback for bad input)."""
+  print(f"error: {msg}", file=sys.stderr)
+  sys.exit(2)
+
+
+def enable_compilation_cache() -> None:
+  """JAX's persistent compilation cache: a second run skips most compiles."""
+  import jax
+  path = os.environ.get("FLEXFLOOR_JAX_CACHE",
+                        os.path.join(os.path.expanduser("~"), ".cache", "flexfloor_jax", "xla"))
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

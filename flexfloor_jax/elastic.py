@@ -1,0 +1,136 @@
+"""Carrying out a release or a migration: new mesh, moved experts, reassembled caches.
+
+The plan (which workers go, which sequences move) comes from policy/; this module only executes
+it, with transfers that can be counted:
+- surviving shards (KV cache rows, slot state, expert slots, replicated weights) are reassembled
+  into arrays over the smaller mesh from their existing device buffers
+  (`jax.make_array_from_single_device_arrays`): no copy;
+- an expert that lived on a released worker is cut out on its old device by a compiled SPMD
+  `extract` step, sent with one `jax.device_put` to its new device (the bytes counted are those
+  transfers), and written into an empty slot by a compiled `insert` step that donates the
+  survivor's buffer, so the survivor's existing buffers stay where they are;
+- a migrated sequence (compaction) moves its KV rows and slot state the same way.
+All movers are compiled per mesh ahead of time with the decode step (StepSet.compile).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flexfloor_jax import mesh as mesh_lib
+
+
+def _row_axis_of(name: str) -> int:
+  """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
+  return 1 if name in ("k", "v", "w1", "w3", "w2") else 0
+
+
+def _extract_local(tree, idx_1):
+  i = jnp.maximum(idx_1[0], 0)
+  return {name: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=_row_axis_of(name))
+          for name, a in tree.items()}
+
+
+def _insert_local(tree, rows, idx_1):
+  out = {}
+  for name, a in tree.items():
+    ax = _row_axis_of(name)
+    i = jnp.where(idx_1[0] >= 0, idx_1[0], a.shape[ax])  # out of range: dropped (no-op)
+    index = (slice(None),) * ax + (i,)
+    out[name] = a.at[index].set(jax.lax.index_in_dim(rows[name], 0, ax, keepdims=False),
+                                mode="drop")
+  return out
+
+
+def compile_movers(stepset) -> dict:
+  """extract/insert executables for expert slots and for sequence slots on this mesh."""
+  mesh = stepset.mesh
+  w = P(mesh_lib.mesh_axis("batch"))
+  idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=NamedSharding(mesh, w))
+  out = {}
+  groups = {
+      "experts": stepset.abstract_experts,
+      "slots": {"k": stepset.abstract_kv, "v": stepset.abstract_kv, **stepset.abstract_state},
+  }
+  for group, tree in groups.items():
+    specs = {k: v.sharding.spec for k, v in tree.items()}
+    ext = jax.jit(jax.shard_map(_extract_local, mesh=mesh, in_specs=(specs, w), out_specs=specs,
+                                check_vma=False))
+    rows_abs = jax.eval_shape(ext, tree, idx_abs)
+    rows_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tree[k].sharding)
+                for k, v in rows_abs.items()}
+    ins = jax.jit(jax.shard_map(_insert_local, mesh=mesh, in_specs=(specs, specs, w),
+                                out_specs=specs, check_vma=False), donate_argnums=0)
+    out[f"extract_{group}"] = ext.lower(tree, idx_abs).compile()
+    out[f"insert_{group}"] = ins.lower(tree, rows_abs, idx_abs).compile()
+    out[f"rows_{group}"] = rows_abs
+    # Placeholder rows for workers that receive nothing (allocated here, off the critical path).
+    out[f"zeros_{group}"] = {k: jnp.zeros(v.shape, v.dtype, device=v.sharding)
+                             for k, v in rows_abs.items()}
+  return out
+
+
+def shards_by_device(arr: jax.Array) -> dict:
+  return {s.device: s.data for s in arr.addressable_shards}
+
+
+def reassemble(arr: jax.Array, sharding: NamedSharding, shape, buffers: dict | None = None):
+  """Global array over `sharding`'s mesh from the existing per-device buffers of `arr` (no copy);
+  `buffers` overrides the buffer of some devices."""
+  by_dev = shards_by_device(arr)
+  if buffers:
+    by_dev.update(buffers)
+  bufs = [by_dev[d] for d in sharding.mesh.devices.reshape(-1)]
+  return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+
+
+def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, int, int]]):
+  """Move rows (src_pos, src_row, dst_pos, dst_row) within one mesh: extract on the source,
+  device_put to the destination, insert there. Returns (new tree, bytes transferred).
+  Moves are done in rounds with at most one move per source and per destination."""
+  mesh = stepset.mesh
+  devs = list(mesh.devices.reshape(-1))
+  n = len(devs)
+  wsh = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
+  rows_abs = stepset[f"rows_{group}"]
+  pending = list(moves)
+  moved_bytes = 0
+  while pending:
+    rnd, used_src, used_dst, rest = [], set(), set(), []
+    for m in pending:
+      if m[0] in used_src or m[2] in used_dst:
+        rest.append(m)
+      else:
+        rnd.append(m)
+        used_src.add(m[0])
+        used_dst.add(m[2])
+    pending = rest
+    src_idx = np.full((n,), -1, np.int32)
+    dst_idx = np.full((n,), -1, np.int32)
+    for sp, sr, dp, dr in rnd:
+      src_idx[sp] = sr
+      dst_idx[dp] = dr
+    rows = stepset[f"extract_{group}"](tree, jax.device_put(src_idx, wsh))
+    new_rows = {}
+    for name, r in rows.items():
+      by_dev = shards_by_device(r)
+      bufs = {}
+      for sp, _, dp, _ in rnd:
+        moved = jax.device_put(by_dev[devs[sp]], devs[dp])
+        moved_bytes += moved.nbytes
+        bufs[devs[dp]] = moved
+      new_rows[name] = reassemble(r, rows_abs[name].sharding, rows_abs[name].shape, bufs)
+    tree = stepset[f"insert_{group}"](tree, new_rows, jax.device_put(dst_idx, wsh))
+  return tree, moved_bytes
+
+
+def shrink_tree(tree: dict, target_abstract: dict) -> dict:
+  """Reassemble every array of `tree` over the smaller mesh of `target_abstract` (same names):
+  the survivors' buffers are reused as they are."""
+  return {k: reassemble(v, target_abstract[k].sharding, target_abstract[k].shape)
+          for k, v in tree.items()}

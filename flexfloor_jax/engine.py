@@ -1,0 +1,585 @@
+"""Rollout engine: per-worker decode slots over the `ep` mesh; prefill / insert / decode.
+
+Every worker owns B decode slots with a fixed-length KV cache. One compiled prefill step fills at
+most one slot per worker; one compiled decode dispatch runs up to `max_steps` decode steps on all
+active workers inside a `lax.while_loop`, stopping early when the caller asked to hear about a
+finish. The engine knows how to change its mesh (see elastic.py), never why.
+
+Per-slot device state (leading axis N*B, sharded over workers):
+  tokens (input token of the next step), positions (where that token's KV goes), live, n_gen,
+  limit (tokens to generate), stop_eos, key (uint32[2] sequence key), out_tokens, out_logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import ModelConfig
+from flexfloor_jax.model.moe import EPConfig, ep_moe
+from flexfloor_jax.policy.planner import ExpertPlacement
+from flexfloor_jax.sampling import SamplingParams, sample, sample_one, sequence_key
+
+EXPERT_KEYS = ("w1", "w3", "w2")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """Everything that fixes compiled shapes (identical for every schedule: fairness)."""
+  cfg: ModelConfig
+  slots_per_worker: int  # B
+  expert_slots: int  # S: expert slots per worker, preallocated for the floor
+  max_seq_len: int  # KV cache length per slot (prompt + response)
+  max_prompt_len: int  # prefill width
+  max_new_tokens: int
+  sampling: SamplingParams
+  decode_tile_m: int = 8
+  prefill_tile_m: int = 32
+  chunk_tokens: int = 64
+  moe_backend: str = "xla"
+  interpret: bool = False
+
+  def ep(self, n: int, tile_m: int) -> EPConfig:
+    return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
+                    tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=self.moe_backend,
+                    interpret=self.interpret)
+
+
+# ----------------------------------------------------------------------------- shardings
+
+
+def split_params(params: tfm.Params) -> tuple[tfm.Params, dict]:
+  """(non-expert params, expert weights {w1, w3, w2} in canonical [L, E, ...] layout)."""
+  layers = dict(params["layers"])
+  experts = {k: layers.pop(k) for k in EXPERT_KEYS}
+  rest = dict(params)
+  rest["layers"] = layers
+  return rest, experts
+
+
+def merge_params(rest: tfm.Params, experts: dict) -> tfm.Params:
+  out = dict(rest)
+  out["layers"] = {**rest["layers"], **experts}
+  return out
+
+
+def expert_spec() -> P:
+  return mesh_lib.logical_spec("layer", "expert", None, None)
+
+
+def cache_spec() -> P:
+  return mesh_lib.logical_spec("layer", "batch", None, None, None)
+
+
+def batch_spec(ndim: int) -> P:
+  return mesh_lib.logical_spec("batch", *([None] * (ndim - 1)))
+
+
+def state_shapes(spec: EngineSpec, n: int) -> dict[str, jax.ShapeDtypeStruct]:
+  nb = n * spec.slots_per_worker
+  i32 = jnp.int32
+  return {
+      "tokens": jax.ShapeDtypeStruct((nb,), i32), "positions": jax.ShapeDtypeStruct((nb,), i32),
+      "live": jax.ShapeDtypeStruct((nb,), jnp.bool_), "n_gen": jax.ShapeDtypeStruct((nb,), i32),
+      "limit": jax.ShapeDtypeStruct((nb,), i32), "stop_eos": jax.ShapeDtypeStruct((nb,), jnp.bool_),
+      "key": jax.ShapeDtypeStruct((nb, 2), jnp.uint32),
+      "out_tokens": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), i32),
+      "out_logprobs": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
+  }
+
+
+def _abstract(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+# ----------------------------------------------------------------------------- per-worker steps
+
+
+def _prefill_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v, st, tokens_PT,
+                   lengths_P, slot_P, limit_P, eos_P, phash_P, sample_P, seed, epoch):
+  cfg = spec.cfg
+  ep = spec.ep(n, spec.prefill_tile_m)
+  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+  active = slot_P >= 0
+  lengths = jnp.where(active, lengths_P, 0)
+  logits, k, v, aux = tfm.prefill(merge_params(rest, experts), cfg, tokens_PT, lengths,
+                                  moe_fn=moe_fn)
+  cache = tfm.insert(tfm.KVCache(cache_k, cache_v), k, v, slot_P)
+  keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, phash_P, sample_P)
+  tok, lp = jax.vmap(lambda l, kd: sample_one(l, kd, jnp.int32(0), spec.sampling))(logits, keys)
+  b = st["tokens"].shape[0]
+  idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
+  done = (limit_P <= 1) | (eos_P & (tok == cfg.eos_id))
+  upd = lambda a, val: a.at[idx].set(val, mode="drop")
+  st = dict(st)
+  st["tokens"] = upd(st["tokens"], tok)
+  st["positions"] = upd(st["positions"], lengths)
+  st["live"] = upd(st["live"], ~done)
+  st["n_gen"] = upd(st["n_gen"], jnp.ones_like(tok))
+  st["limit"] = upd(st["limit"], limit_P)
+  st["stop_eos"] = upd(st["stop_eos"], eos_P)
+  st["key"] = upd(st["key"], keys)
+  st["out_tokens"] = st["out_tokens"].at[idx, 0].set(tok, mode="drop")
+  st["out_logprobs"] = st["out_logprobs"].at[idx, 0].set(lp, mode="drop")
+  return cache.k, cache.v, st, aux["expert_counts"].sum(0)
+
+
+def _decode_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v, st, max_steps,
+                  stop_on_refill, stop_on_idle):
+  cfg = spec.cfg
+  ep = spec.ep(n, spec.decode_tile_m)
+  axis = ep.axis
+  params = merge_params(rest, experts)
+  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+  b = st["tokens"].shape[0]
+  rows = jnp.arange(b)
+  max_new = spec.max_new_tokens
+
+  def step(carry):
+    ck, cv, st, i, _, counts = carry
+    live = st["live"]
+    logits, cache, aux = tfm.decode(params, cfg, tfm.KVCache(ck, cv), st["tokens"],
+                                    st["positions"], live, moe_fn=moe_fn)
+    tok, lp = sample(logits, st["key"], st["n_gen"], spec.sampling)
+    col = jnp.where(live, st["n_gen"], max_new)  # out of range for dead slots: dropped
+    st = dict(st)
+    st["out_tokens"] = st["out_tokens"].at[rows, col].set(tok, mode="drop")
+    st["out_logprobs"] = st["out_logprobs"].at[rows, col].set(lp, mode="drop")
+    n_gen = st["n_gen"] + live.astype(jnp.int32)
+    finished = live & ((n_gen >= st["limit"]) | (st["stop_eos"] & (tok == cfg.eos_id)))
+    st["n_gen"] = n_gen
+    st["tokens"] = jnp.where(live, tok, st["tokens"])
+    st["positions"] = st["positions"] + live.astype(jnp.int32)
+    st["live"] = live & ~finished
+    wake = (jnp.any(finished) & stop_on_refill[0]) | (
+        stop_on_idle[0] & jnp.any(finished) & ~jnp.any(st["live"]))
+    stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
+    any_live = jax.lax.psum(jnp.any(st["live"]).astype(jnp.int32), axis) > 0
+    counts = counts + aux["expert_counts"].sum(0)
+    return cache.k, cache.v, st, i + 1, stop | ~any_live, counts
+
+  def cond(carry):
+    return (carry[3] < max_steps) & ~carry[4]
+
+  any_live = jax.lax.psum(jnp.any(st["live"]).astype(jnp.int32), axis) > 0
+  counts0 = jnp.zeros((cfg.num_experts,), jnp.int32)
+  ck, cv, st, steps, _, counts = jax.lax.while_loop(
+      cond, step, (cache_k, cache_v, st, jnp.int32(0), ~any_live, counts0))
+  return ck, cv, st, steps, counts
+
+
+# ----------------------------------------------------------------------------- compiled step set
+
+
+class StepSet:
+  """The executables for one mesh (a set of devices): compiled ahead of time, never on the
+  critical path of a rollout."""
+
+  def __init__(self, spec: EngineSpec, mesh: Mesh, rest_abstract, experts_abstract):
+    self.spec, self.mesh = spec, mesh
+    n = mesh.size
+    rep = NamedSharding(mesh, P())
+    self.rep = rep
+    self.rest_sharding = jax.tree.map(lambda _: rep, rest_abstract)
+    exp_sh = NamedSharding(mesh, expert_spec())
+    self.expert_sharding = {k: exp_sh for k in EXPERT_KEYS}
+    self.cache_sharding = NamedSharding(mesh, cache_spec())
+    st_shapes = state_shapes(spec, n)
+    self.state_sharding = {k: NamedSharding(mesh, batch_spec(len(v.shape)))
+                           for k, v in st_shapes.items()}
+    self.worker_sharding = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
+    self.worker2_sharding = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch"), None))
+    cfg = spec.cfg
+    nb, s = n * spec.slots_per_worker, spec.expert_slots
+    kv_shape = (cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+    dt = tfm.dtype_of(cfg)
+    self.abstract_rest = _abstract(rest_abstract, self.rest_sharding)
+    self.abstract_experts = {
+        k: jax.ShapeDtypeStruct((v.shape[0], n * s) + v.shape[2:], v.dtype, sharding=exp_sh)
+        for k, v in experts_abstract.items()}
+    self.abstract_e2s = jax.ShapeDtypeStruct((cfg.num_experts,), jnp.int32, sharding=rep)
+    self.abstract_kv = jax.ShapeDtypeStruct(kv_shape, dt, sharding=self.cache_sharding)
+    self.abstract_state = _abstract(st_shapes, self.state_sharding)
+    self._compiled: dict[str, Any] = {}
+
+  # -- builders
+  def _specs(self, tree):
+    return jax.tree.map(lambda s: s.spec, tree)
+
+  def _prefill_jit(self):
+    spec, n = self.spec, self.mesh.size
+    w = P(mesh_lib.mesh_axis("batch"))
+    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding), P(),
+                cache_spec(), cache_spec(), self._specs(self.state_sharding),
+                P(mesh_lib.mesh_axis("batch"), None), w, w, w, w, w, w, P(), P())
+    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P())
+    fn = jax.shard_map(functools.partial(_prefill_local, spec, n), mesh=self.mesh,
+                       in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn, donate_argnums=(3, 4, 5))
+
+  def _decode_jit(self):
+    spec, n = self.spec, self.mesh.size
+    w = P(mesh_lib.mesh_axis("batch"))
+    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding), P(),
+                cache_spec(), cache_spec(), self._specs(self.state_sharding), P(), w, w)
+    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P(), P())
+    fn = jax.shard_map(functools.partial(_decode_local, spec, n), mesh=self.mesh,
+                       in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn, donate_argnums=(3, 4, 5))
+
+  def prefill_args_abstract(self):
+    n = self.mesh.size
+    i32 = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+    ws = self.worker_sharding
+    return (self.abstract_rest, self.abstract_experts, self.abstract_e2s, self.abstract_kv,
+            self.abstract_kv, self.abstract_state,
+            i32((n, self.spec.max_prompt_len), self.worker2_sharding), i32((n,), ws),
+            i32((n,), ws), i32((n,), ws), jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=ws),
+            i32((n,), ws), i32((n,), ws), i32((), self.rep), i32((), self.rep))
+
+  def decode_args_abstract(self):
+    n = self.mesh.size
+    ws = self.worker_sharding
+    b = lambda: jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=ws)
+    return (self.abstract_rest, self.abstract_experts, self.abstract_e2s, self.abstract_kv,
+            self.abstract_kv, self.abstract_state,
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep), b(), b())
+
+  def compile(self) -> "StepSet":
+    if not self._compiled:
+      self._compiled["prefill"] = self._prefill_jit().lower(*self.prefill_args_abstract()).compile()
+      self._compiled["decode"] = self._decode_jit().lower(*self.decode_args_abstract()).compile()
+      from flexfloor_jax import elastic  # the row movers for this mesh
+      self._compiled.update(elastic.compile_movers(self))
+    return self
+
+  def __getitem__(self, name: str):
+    return self.compile()._compiled[name]
+
+
+# ----------------------------------------------------------------------------- placement helpers
+
+
+def slot_layout(experts: dict, slot_expert_NS: np.ndarray, sharding: NamedSharding) -> dict:
+  """Canonical [L, E, ...] expert weights -> slot layout [L, N*S, ...] (empty slots are zero)."""
+  flat = np.asarray(slot_expert_NS).reshape(-1)
+  idx = jnp.asarray(np.maximum(flat, 0), jnp.int32)
+  empty = jnp.asarray(flat < 0)
+
+  @functools.partial(jax.jit, out_shardings=sharding)
+  def gather(w):
+    g = jnp.take(w, idx, axis=1)
+    return jnp.where(empty[None, :, None, None], jnp.zeros((), w.dtype), g)
+
+  return {k: gather(v) for k, v in experts.items()}
+
+
+# ----------------------------------------------------------------------------- runtime
+
+
+@dataclasses.dataclass
+class SeqInput:
+  """What the engine needs of one sequence."""
+  tokens: np.ndarray  # prompt token ids
+  limit: int  # tokens to generate at most (fixed target or max_new_tokens)
+  stop_eos: bool  # stop at EOS (model lengths) or run to `limit` (workload lengths)
+  phash: int  # stable hash of the prompt id
+  sample: int
+  fixed_length: bool = False
+
+
+@dataclasses.dataclass
+class SeqOutput:
+  tokens: list
+  logprobs: list
+  finish_reason: str
+  worker: int
+  slot: int
+
+
+class StepCache:
+  """Ahead-of-time compiled StepSets, one per mesh of the release chain, compiled in the
+  background at rollout start (and kept across rollouts by JAX's persistent cache)."""
+
+  def __init__(self, spec: EngineSpec, devices: Sequence[jax.Device], chain: Sequence[int],
+               rest_abstract, experts_abstract):
+    import concurrent.futures
+    self.spec, self.devices, self.chain = spec, list(devices), list(chain)
+    self._abs = (rest_abstract, experts_abstract)
+    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self._futures: dict[int, Any] = {}
+    self._sets: dict[int, StepSet] = {}
+
+  def mesh_for(self, n: int) -> Mesh:
+    return mesh_lib.make_ep_mesh([self.devices[w] for w in self.chain[len(self.chain) - n:]])
+
+  def _build(self, n: int) -> StepSet:
+    return StepSet(self.spec, self.mesh_for(n), *self._abs).compile()
+
+  def prefetch(self, sizes: Sequence[int]):
+    for n in sizes:
+      if n not in self._futures and n not in self._sets:
+        self._futures[n] = self._pool.submit(self._build, n)
+
+  def get(self, n: int) -> StepSet:
+    if n not in self._sets:
+      fut = self._futures.pop(n, None)
+      self._sets[n] = fut.result() if fut is not None else self._build(n)
+    return self._sets[n]
+
+  def wait_all(self):
+    for n in list(self._futures):
+      self.get(n)
+
+
+class Engine:
+  """Executes prefill / decode / migrate / shrink on the active workers. Worker ids are indices
+  into `devices`; the active workers are always a tail of `chain` (release order)."""
+
+  def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[jax.Device],
+               chain: Sequence[int], placement: ExpertPlacement, *, seed: int = 0,
+               epoch: int = 0, step_cache: Optional[StepCache] = None,
+               prefetch_sizes: Sequence[int] = ()):
+    self.spec, self.seed, self.epoch = spec, int(seed), int(epoch)
+    self.devices, self.chain = list(devices), list(chain)
+    rest, experts = split_params(params)
+    rest_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    exp_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), experts)
+    self.steps = step_cache or StepCache(spec, devices, chain, rest_abs, exp_abs)
+    n = len(self.chain)
+    self.active = list(self.chain)
+    self.steps.prefetch([n, *[m for m in prefetch_sizes if m != n]])
+    ss = self.steps.get(n)
+    self.rest = jax.device_put(rest, ss.rest_sharding)
+    self.experts = slot_layout(experts, placement.slot_expert()[self.active],
+                               ss.expert_sharding["w1"])
+    self.set_placement(placement)
+    self.cache_k = jnp.zeros(ss.abstract_kv.shape, ss.abstract_kv.dtype,
+                             device=ss.cache_sharding)
+    self.cache_v = jnp.zeros(ss.abstract_kv.shape, ss.abstract_kv.dtype,
+                             device=ss.cache_sharding)
+    self.state = {k: jnp.zeros(v.shape, v.dtype, device=ss.state_sharding[k])
+                  for k, v in ss.abstract_state.items()}
+    self.seqs: dict[int, SeqInput] = {}
+    self.outputs: dict[int, SeqOutput] = {}
+    self._slot_seq: dict[tuple[int, int], int] = {}
+    self.expert_counts = np.zeros((spec.cfg.num_experts,), np.int64)
+    self.compiles_after_start = 0
+    self._pending_release_t0: Optional[float] = None
+    self.release_latencies: list[float] = []
+
+  # -- setup
+  @property
+  def stepset(self) -> StepSet:
+    return self.steps.get(len(self.active))
+
+  def set_placement(self, placement: ExpertPlacement):
+    self.placement = placement
+    e2s = placement.expert_to_slot(self.active).astype(np.int32)
+    self.e2s = jax.device_put(e2s, self.stepset.rep)
+
+  def add_sequences(self, seqs: dict[int, SeqInput]):
+    lp = self.spec.max_prompt_len
+    for sid, s in seqs.items():
+      if len(s.tokens) > lp:
+        raise ValueError(f"sequence {sid}: prompt of {len(s.tokens)} tokens exceeds "
+                         f"max_prompt_len={lp}")
+      if len(s.tokens) + s.limit > self.spec.max_seq_len:
+        raise ValueError(f"sequence {sid}: prompt {len(s.tokens)} + {s.limit} new tokens "
+                         f"exceeds model.max_seq_len={self.spec.max_seq_len}")
+    self.seqs.update(seqs)
+
+  def active_workers(self) -> list[int]:
+    return list(self.active)
+
+  def _pos(self, worker: int) -> int:
+    return self.active.index(worker)
+
+  # -- steps
+  def prefill(self, assign: Sequence[tuple[int, int, int]]):
+    ss, n = self.stepset, len(self.active)
+    lp = self.spec.max_prompt_len
+    tokens = np.zeros((n, lp), np.int32)
+    lengths, slot, limit, phash, samp = (np.zeros((n,), np.int32) for _ in range(5))
+    slot[:] = -1
+    eos = np.zeros((n,), bool)
+    for worker, s, sid in assign:
+      p = self._pos(worker)
+      if slot[p] >= 0:
+        raise ValueError(f"two prefills for worker {worker} in one step")
+      q = self.seqs[sid]
+      tokens[p, : len(q.tokens)] = q.tokens
+      lengths[p], slot[p], limit[p] = len(q.tokens), s, q.limit
+      eos[p], phash[p], samp[p] = q.stop_eos, q.phash, q.sample
+      self._slot_seq[(worker, s)] = sid
+    ws, w2 = ss.worker_sharding, ss.worker2_sharding
+    put = lambda a: jax.device_put(a, ws)
+    self.cache_k, self.cache_v, self.state, counts = ss["prefill"](
+        self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
+        jax.device_put(tokens, w2), put(lengths), put(slot), put(limit), put(eos), put(phash),
+        put(samp), jnp.int32(self.seed), jnp.int32(self.epoch))
+    self.expert_counts += np.asarray(counts)
+    return self._collect_finishes()
+
+  def decode(self, max_steps: int, stop_on_refill, stop_on_idle):
+    ss = self.stepset
+    put = lambda a: jax.device_put(np.asarray(a, bool), ss.worker_sharding)
+    total = 0
+    if self._pending_release_t0 is not None and max_steps > 0:
+      # First step on a new mesh alone, to time release decision -> first output.
+      out = ss["decode"](self.rest, self.experts, self.e2s, self.cache_k, self.cache_v,
+                         self.state, jnp.int32(1), put(stop_on_refill), put(stop_on_idle))
+      jax.block_until_ready(out)
+      self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+      self._pending_release_t0 = None
+      self.cache_k, self.cache_v, self.state, steps, counts = out
+      self.expert_counts += np.asarray(counts)
+      total = int(steps)
+      finishes = self._collect_finishes()
+      if finishes or total == 0 or max_steps == 1:
+        return total, finishes
+      max_steps -= 1
+    self.cache_k, self.cache_v, self.state, steps, counts = ss["decode"](
+        self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
+        jnp.int32(max_steps), put(stop_on_refill), put(stop_on_idle))
+    self.expert_counts += np.asarray(counts)
+    return total + int(steps), self._collect_finishes()
+
+  def _collect_finishes(self):
+    """Finished sequences since the last call: read the small per-slot arrays once."""
+    live = np.asarray(self.state["live"])
+    b = self.spec.slots_per_worker
+    done = [(w, s, sid) for (w, s), sid in self._slot_seq.items()
+            if not live[self._pos(w) * b + s]]
+    if not done:
+      return []
+    n_gen = np.asarray(self.state["n_gen"])
+    toks = np.asarray(self.state["out_tokens"])
+    lps = np.asarray(self.state["out_logprobs"])
+    eos = self.spec.cfg.eos_id
+    out = []
+    from flexfloor_jax.policy.controller import Finish
+    for w, s, sid in done:
+      row = self._pos(w) * b + s
+      k = int(n_gen[row])
+      q = self.seqs[sid]
+      tk = toks[row, :k].tolist()
+      if q.stop_eos and tk and tk[-1] == eos and k < q.limit:
+        reason = "eos"
+      else:
+        reason = "target" if q.fixed_length else "length"
+      self.outputs[sid] = SeqOutput(tk, lps[row, :k].tolist(), reason, w, s)
+      del self._slot_seq[(w, s)]
+      out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason))
+    return out
+
+  # -- elastic
+  def migrate(self, moves: Sequence[tuple[int, int, int, int]]) -> int:
+    """Move live sequences (src_worker, src_slot, dst_worker, dst_slot); returns KV bytes sent."""
+    if not moves:
+      return 0
+    from flexfloor_jax import elastic
+    ss, b = self.stepset, self.spec.slots_per_worker
+    rows = [(self._pos(sw), ss_, self._pos(dw), ds) for sw, ss_, dw, ds in moves]
+    tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
+    tree, nbytes = elastic.move_rows(ss, "slots", tree, rows)
+    self.cache_k, self.cache_v = tree.pop("k"), tree.pop("v")
+    self.state = tree
+    for sw, s_, dw, ds in moves:
+      if (sw, s_) in self._slot_seq:
+        self._slot_seq[(dw, ds)] = self._slot_seq.pop((sw, s_))
+    per_slot = sum(x.nbytes for x in (self.cache_k, self.cache_v)) // (len(self.active) * b)
+    state_per_slot = sum(x.nbytes for x in self.state.values()) // (len(self.active) * b)
+    return int(nbytes * per_slot // (per_slot + state_per_slot))
+
+  def shrink(self, new_active: Sequence[int]) -> dict:
+    """Release the workers not in `new_active` (a tail of the chain). Only the experts that lived
+    on released workers move, into empty slots of the survivors (ExpertPlacement.after_release)."""
+    from flexfloor_jax import elastic
+    t0 = time.perf_counter()
+    new_active = list(new_active)
+    if new_active != self.chain[len(self.chain) - len(new_active):]:
+      raise ValueError(f"active set {new_active} is not a tail of the release chain {self.chain}")
+    released = [w for w in self.active if w not in new_active]
+    live = [k for k in self._slot_seq if k[0] in released]
+    if live:
+      raise ValueError(f"workers {released} still hold live sequences {live}: migrate first")
+    old_ss = self.stepset
+    new_ss = self.steps.get(len(new_active))
+    new_placement = self.placement.after_release(released, new_active)
+    old_pos = {w: i for i, w in enumerate(self.active)}
+    new_pos = {w: i for i, w in enumerate(new_active)}
+    # (old src pos, src slot, dst worker, dst slot) of every expert that leaves a released worker
+    moves = [(old_pos[a[0]], a[1], b[0], b[1]) for _, a, b in new_placement.moves_since(self.placement)]
+    moved_bytes = 0
+    experts = self.experts
+    pieces = []  # (dst worker, dst slot, {name: single-device array on dst})
+    if moves:
+      # Cut the moving experts out on the old mesh (one extract per slot round).
+      devs_old = list(old_ss.mesh.devices.reshape(-1))
+      wsh = old_ss.worker_sharding
+      by_src = {}
+      for m in moves:
+        by_src.setdefault(m[0], []).append(m)
+      rounds = max(len(v) for v in by_src.values())
+      for r in range(rounds):
+        idx = np.full((len(self.active),), -1, np.int32)
+        rnd = [v[r] for v in by_src.values() if len(v) > r]
+        for sp, sslot, _, _ in rnd:
+          idx[sp] = sslot
+        rows = old_ss["extract_experts"](experts, jax.device_put(idx, wsh))
+        for sp, _, dw, ds in rnd:
+          bufs = {}
+          for name, arr in rows.items():
+            src_buf = elastic.shards_by_device(arr)[devs_old[sp]]
+            moved = jax.device_put(src_buf, self.devices[dw])
+            moved_bytes += moved.nbytes
+            bufs[name] = moved
+          pieces.append((dw, ds, bufs))
+    # 2. reassemble survivors' shards over the new mesh (no copy).
+    experts = elastic.shrink_tree(experts, new_ss.abstract_experts)
+    self.rest = jax.tree.map(
+        lambda a, t: elastic.reassemble(a, t.sharding, t.shape), self.rest, new_ss.abstract_rest)
+    tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
+    tgt = {"k": new_ss.abstract_kv, "v": new_ss.abstract_kv, **new_ss.abstract_state}
+    tree = elastic.shrink_tree(tree, tgt)
+    self.cache_k, self.cache_v = tree.pop("k"), tree.pop("v")
+    self.state = tree
+    # 3. write the moved experts into empty slots of the survivors (donated, in place).
+    rows_abs = new_ss["rows_experts"]
+    devs_new = list(new_ss.mesh.devices.reshape(-1))
+    dummy = new_ss["zeros_experts"]
+    while pieces:
+      idx = np.full((len(new_active),), -1, np.int32)
+      taken, rest_pieces, rnd = set(), [], []
+      for pc in pieces:
+        (rest_pieces if pc[0] in taken else rnd).append(pc)
+        taken.add(pc[0])
+      pieces = rest_pieces
+      row_tree = {}
+      for name in rows_abs:
+        bufs = {}
+        for dw, ds, b in rnd:
+          bufs[devs_new[new_pos[dw]]] = b[name]
+        row_tree[name] = elastic.reassemble(dummy[name], rows_abs[name].sharding,
+                                            rows_abs[name].shape, bufs)
+      for dw, ds, _ in rnd:
+        idx[new_pos[dw]] = ds
+      experts = new_ss["insert_experts"](experts, row_tree,
+                                         jax.device_put(idx, new_ss.worker_sharding))
+    self.experts = experts
+    self.active = new_active
+    self.set_placement(new_placement)
+    jax.block_until_ready((self.experts, self.cache_k, self.state))
+    self._pending_release_t0 = t0
+    return {"released": released, "expert_bytes_moved": int(moved_bytes),
+            "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}

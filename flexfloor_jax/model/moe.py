@@ -1,0 +1,116 @@
+"""Expert-parallel MoE layer, run per worker inside `shard_map` over the expert axis.
+
+route top-k (home worker) -> permute token copies by destination worker -> all_to_all (capacity
+per destination = tokens*k: exact, nothing dropped) -> permute into the padded tile layout by local
+expert slot -> grouped matmuls over fixed-shape row tiles -> unpermute -> all_to_all back ->
+weighted combine in k order on the home worker.
+
+Batch invariance: every expert matmul is a [tile_m, D] x [D, F] GEMM whatever the group sizes, the
+combine adds the k copies in k order, and nothing is summed across workers, so a token's output
+does not depend on the mesh size, the placement or the other tokens in the batch.
+
+Expert weights are in the slot layout: per layer [N*S, D, F] (w1, w3) and [N*S, F, D] (w2), S slots
+per worker; `expert_to_slot_E` maps expert -> global slot id (worker * S + slot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flexfloor_jax.mesh import mesh_axis
+from flexfloor_jax.model.transformer import Params, route
+from kernels.combine import combine
+from kernels.dispatch_plan import make_plan, padded_rows
+from kernels.grouped_matmul import grouped_matmul
+from kernels.permute import permute
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+  """Static description of one expert-parallel group (one compiled shape)."""
+  num_workers: int  # N: size of the active group
+  slots_per_worker: int  # S: expert slots each worker holds (preallocated for the floor)
+  top_k: int
+  tile_m: int = 8  # rows per expert GEMM tile (fixed: part of the numerics)
+  chunk_tokens: int = 64  # tokens per exchange; longer inputs loop over chunks
+  backend: str = "xla"  # 'xla' | 'pallas'
+  interpret: bool = False  # Pallas interpret mode (CPU)
+
+  @property
+  def axis(self) -> str:
+    return mesh_axis("expert")
+
+
+def _dest_positions(dest_R: jax.Array, valid_R: jax.Array, n: int, cap: int) -> jax.Array:
+  """Row in the [n * cap] send buffer of each token copy (stable per destination), -1 if invalid."""
+  onehot_RN = (jax.nn.one_hot(dest_R, n, dtype=jnp.int32) * valid_R[:, None].astype(jnp.int32))
+  rank_R = jnp.sum(jnp.cumsum(onehot_RN, axis=0) * onehot_RN, axis=1) - 1
+  return jnp.where(valid_R, dest_R * cap + rank_R, -1)
+
+
+def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
+  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret)
+  h1 = grouped_matmul(x_PD, w1, plan.tile_group, plan.num_tiles_used, **kw)
+  h3 = grouped_matmul(x_PD, w3, plan.tile_group, plan.num_tiles_used, **kw)
+  return grouped_matmul(jax.nn.silu(h1) * h3, w2, plan.tile_group, plan.num_tiles_used, **kw)
+
+
+def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
+  t, d = x_TD.shape
+  n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
+  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k)
+
+  # Home side: token copies to their destination workers.
+  slot_R = expert_to_slot_E[experts_TK].reshape(t * k)
+  valid_R = jnp.repeat(valid_T, k)
+  cap = t * k
+  send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
+  src_S = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(
+      jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
+  send_ND = permute(x_TD, src_S, **kw).reshape(n, cap, d)
+  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(slot_R % s, mode="drop")
+
+  recv_ND = jax.lax.all_to_all(send_ND, ep.axis, 0, 0, tiled=True)
+  recv_slot = jax.lax.all_to_all(send_slot.reshape(n, cap), ep.axis, 0, 0, tiled=True)
+
+  # Expert side: group received rows by local slot in the padded tile layout.
+  rows = n * cap
+  plan = make_plan(recv_slot.reshape(rows), s, ep.tile_m, padded_rows(rows, s, ep.tile_m))
+  x_PD = permute(recv_ND.reshape(rows, d), plan.row_src, **kw)
+  y_PD = _expert_mlp(x_PD, lp["w1"], lp["w3"], lp["w2"], plan, ep)
+  back_RD = permute(y_PD, plan.row_dst, **kw).reshape(n, cap, d)
+
+  home_ND = jax.lax.all_to_all(back_RD, ep.axis, 0, 0, tiled=True)
+  y_TD = combine(home_ND.reshape(rows, d), send_pos_R.reshape(t, k), weights_TK, **kw)
+  return y_TD, logits_TE, experts_TK
+
+
+def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: jax.Array,
+           ep: EPConfig, num_experts: int):
+  """MoE on this worker's tokens [T, D]. Long inputs are exchanged in chunks of
+  ep.chunk_tokens so the all_to_all buffers stay bounded. Returns (y_TD, aux)."""
+  t, d = x_TD.shape
+  c = min(ep.chunk_tokens, t)
+  if t == c:
+    y_TD, logits_TE, experts_TK = _ep_moe_chunk(x_TD, lp, valid_T, expert_to_slot_E, ep)
+  else:
+    pad = -t % c  # padding tokens are not dispatched
+    xp = jnp.pad(x_TD, ((0, pad), (0, 0)))
+    vp = jnp.pad(valid_T, (0, pad))
+    nc = (t + pad) // c
+
+    def body(_, xs):
+      return None, _ep_moe_chunk(xs[0], lp, xs[1], expert_to_slot_E, ep)
+
+    _, (y, lg, ex) = jax.lax.scan(body, None, (xp.reshape(nc, c, d), vp.reshape(nc, c)))
+    y_TD, logits_TE, experts_TK = (y.reshape(-1, d)[:t], lg.reshape(nc * c, -1)[:t],
+                                   ex.reshape(nc * c, -1)[:t])
+  counts_E = jnp.sum(jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)
+                     * valid_T[:, None, None].astype(jnp.int32), axis=(0, 1))
+  counts_E = jax.lax.psum(counts_E, ep.axis)
+  aux = {"router_logits": logits_TE, "experts": experts_TK, "expert_counts": counts_E}
+  return y_TD, aux

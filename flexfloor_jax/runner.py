@@ -1,0 +1,406 @@
+"""One rollout: wires the host-side policy, the engine and the elastic controller together.
+
+Order matters for bad input: everything the user gave (config, prompts, lengths file, checkpoint
+inventory, memory budget) is validated before anything is compiled, and outputs are written to
+temp files and renamed, so a failed run leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from flexfloor_jax.policy import accounting, planner, scheduler, workload
+from flexfloor_jax.policy.controller import Seq
+
+BUILTIN_PROMPTS = (
+    "Sort the digits 3 1 4 1 5 9 2 6:", "Add 27 and 58:", "Reverse the word 'expert':",
+    "Count to twelve:", "Name a prime larger than 40:", "Spell 'mixture' backwards:",
+    "What is 9 times 7?", "List three colours:", "Continue: 2 4 8 16", "Write a haiku about GPUs:",
+    "Translate 'hello' to French:", "Sum the numbers 1 to 10:",
+)
+
+
+class RolloutError(ValueError):
+  """Bad input: the message names the config field or the file."""
+
+
+@dataclasses.dataclass
+class Prompt:
+  prompt_id: str
+  tokens: list[int]
+  text: Optional[str] = None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check(cond: bool, msg: str):
+  if not cond:
+    raise RolloutError(msg)
+
+
+def validate_config(config) -> None:
+  r, s = config.rollout, config.sampling
+  _check(config.schedule in ("static", "flexfloor"),
+         f"schedule must be 'static' or 'flexfloor', got {config.schedule!r}")
+  _check(r.max_new_tokens > 0, f"rollout.max_new_tokens must be > 0, got {r.max_new_tokens}")
+  _check(r.samples_per_prompt > 0,
+         f"rollout.samples_per_prompt must be > 0, got {r.samples_per_prompt}")
+  _check(r.slots_per_worker > 0, f"rollout.slots_per_worker must be > 0, got {r.slots_per_worker}")
+  _check(r.steps_per_dispatch > 0,
+         f"rollout.steps_per_dispatch must be > 0, got {r.steps_per_dispatch}")
+  _check(r.max_prompt_len > 0, f"rollout.max_prompt_len must be > 0, got {r.max_prompt_len}")
+  _check(r.epoch >= 0, f"rollout.epoch must be >= 0, got {r.epoch}")
+  _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
+  _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
+  _check(s.top_k >= 0, f"sampling.top_k must be >= 0, got {s.top_k}")
+  _check(config.model.moe_backend in ("xla", "pallas"),
+         f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
+  _check(config.mesh.num_devices >= 0,
+         f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
+  _check(config.model.max_seq_len > 1, f"model.max_seq_len must be > 1")
+  _check(r.lengths in ("auto", "model", "workload") or os.path.isfile(r.lengths),
+         f"rollout.lengths must be 'model', 'workload' or a lengths JSONL file; "
+         f"{r.lengths!r} is neither (file not found)")
+
+
+def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
+  r = config.rollout
+  if not r.prompts:
+    _check(tokenizer is not None, "rollout.prompts is empty (built-in prompts) but the model has "
+           "no tokenizer: give a JSONL of {\"id\", \"tokens\"}")
+    n = r.num_prompts
+    _check(n > 0, f"rollout.num_prompts must be > 0, got {n}")
+    return [Prompt(f"builtin-{i}", tokenizer.encode(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)],
+                                                    add_bos=True),
+                   BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]) for i in range(n)]
+  path = r.prompts
+  _check(os.path.isfile(path), f"rollout.prompts: file {path} not found")
+  out, seen = [], set()
+  with open(path) as f:
+    for ln, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise RolloutError(f"rollout.prompts: {path}:{ln} is not valid JSON ({e.msg})") from None
+      _check(isinstance(row, dict) and "id" in row and ("prompt" in row or "tokens" in row),
+             f"rollout.prompts: {path}:{ln} needs \"id\" and \"prompt\" or \"tokens\"")
+      pid = str(row["id"])
+      _check(pid not in seen, f"rollout.prompts: {path}:{ln} repeats id {pid!r}")
+      seen.add(pid)
+      if "tokens" in row:
+        toks = row["tokens"]
+        _check(isinstance(toks, list) and toks and all(isinstance(t, int) for t in toks),
+               f"rollout.prompts: {path}:{ln} \"tokens\" must be a non-empty list of ints")
+        out.append(Prompt(pid, list(toks), None))
+      else:
+        _check(tokenizer is not None, f"rollout.prompts: {path}:{ln} has text but the model has "
+               "no tokenizer (give \"tokens\")")
+        _check(isinstance(row["prompt"], str) and row["prompt"],
+               f"rollout.prompts: {path}:{ln} \"prompt\" must be a non-empty string")
+        out.append(Prompt(pid, tokenizer.encode(row["prompt"], add_bos=True), row["prompt"]))
+  _check(bool(out), f"rollout.prompts: {path} holds no prompts")
+  return out
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def atomic_write(path: str, data: str | bytes) -> None:
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+  try:
+    with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, (np.integer,)):
+    return int(x)
+  if isinstance(x, (np.floating,)):
+    return float(x)
+  if isinstance(x, np.ndarray):
+    return x.tolist()
+  return x
+
+
+# ----------------------------------------------------------------------------- the rollout
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  summary: dict
+  responses: list[dict]
+  timeline: Any
+  record: Any
+
+
+def resolve_lengths_mode(config) -> str:
+  mode = config.rollout.lengths
+  if mode == "auto":
+    return "model" if config.model.checkpoint else "workload"
+  return mode
+
+
+def workload_spec(config, num_prompts: int) -> workload.WorkloadSpec:
+  return workload.WorkloadSpec(num_prompts=num_prompts,
+                               samples_per_prompt=config.rollout.samples_per_prompt,
+                               seed=config.sampling.seed, cap=config.rollout.max_new_tokens)
+
+
+def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:
+  r = config.rollout
+  targets = None
+  if mode == "workload":
+    lens = workload.lengths(workload_spec(config, len(prompts)), r.epoch)
+    targets = {(p.prompt_id, j): int(lens[i, j]) for i, p in enumerate(prompts)
+               for j in range(r.samples_per_prompt)}
+  elif mode != "model":
+    try:
+      table = workload.read_lengths_jsonl(mode)
+    except ValueError as e:
+      raise RolloutError(f"rollout.lengths: {e}") from None
+    targets = {}
+    for p in prompts:
+      for j in range(r.samples_per_prompt):
+        _check((p.prompt_id, j) in table,
+               f"rollout.lengths: {mode} has no length for id {p.prompt_id!r} sample {j}")
+        n = int(table[(p.prompt_id, j)])
+        _check(1 <= n <= r.max_new_tokens, f"rollout.lengths: {mode}: length {n} of "
+               f"{p.prompt_id!r} sample {j} is outside 1..rollout.max_new_tokens")
+        targets[(p.prompt_id, j)] = n
+  seqs = []
+  for p in prompts:
+    for j in range(r.samples_per_prompt):
+      t = None if targets is None else targets[(p.prompt_id, j)]
+      seqs.append(Seq(seq_id=len(seqs), prompt_id=p.prompt_id, sample=j,
+                      prompt_len=len(p.tokens), target_len=t, max_new_tokens=r.max_new_tokens))
+  return seqs
+
+
+def memory_budget_bytes(config, devices) -> int:
+  if config.mesh.device_memory_gb > 0:
+    return int(config.mesh.device_memory_gb * 2**30)
+  stats = devices[0].memory_stats() or {}
+  if "bytes_limit" in stats:
+    return int(stats["bytes_limit"])
+  return 16 * 2**30  # CPU reports none: a 16 GB accelerator
+
+
+def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
+        write_outputs: bool = True, history: Optional[scheduler.LengthHistory] = None,
+        step_cache=None, progress: bool = True) -> RolloutResult:
+  """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop)."""
+  import jax
+
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax import mesh as mesh_lib
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model import transformer as tfm
+  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.sampling import SamplingParams, prompt_hash
+  from flexfloor_jax.tokenizer import load_tokenizer
+
+  t_setup = time.perf_counter()
+  validate_config(config)
+  r = config.rollout
+  # -- model shape (checkpoint inventory checked before anything is compiled)
+  if model_cfg is None:
+    if config.model.checkpoint:
+      try:
+        model_cfg = _inspect_checkpoint(ckpt, config.model.checkpoint)
+      except ckpt.CheckpointError as e:
+        raise RolloutError(f"model.checkpoint: {e}") from None
+    else:
+      model_cfg = PRESETS[config.preset]
+    model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  if tokenizer is None:
+    tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
+  prompts = load_prompts(config, tokenizer, model_cfg.bos_id)
+  for p in prompts:
+    _check(len(p.tokens) <= r.max_prompt_len, f"rollout.prompts: prompt {p.prompt_id!r} has "
+           f"{len(p.tokens)} tokens, more than rollout.max_prompt_len={r.max_prompt_len}")
+    _check(len(p.tokens) + r.max_new_tokens <= config.model.max_seq_len,
+           f"rollout.prompts: prompt {p.prompt_id!r} ({len(p.tokens)} tokens) + "
+           f"rollout.max_new_tokens={r.max_new_tokens} exceeds model.max_seq_len="
+           f"{config.model.max_seq_len}")
+    bad = [t for t in p.tokens if not 0 <= t < model_cfg.vocab_size]
+    _check(not bad, f"rollout.prompts: prompt {p.prompt_id!r} has token ids {bad[:4]} outside "
+           f"the vocabulary of {model_cfg.vocab_size}")
+  _check(config.model.max_seq_len <= model_cfg.max_position_embeddings,
+         f"model.max_seq_len={config.model.max_seq_len} exceeds the model's "
+         f"max_position_embeddings={model_cfg.max_position_embeddings}")
+  mode = resolve_lengths_mode(config)
+  seqs = build_seqs(config, prompts, mode)
+
+  # -- workers, memory floor, expert slots
+  devices = list(devices) if devices is not None else mesh_lib.select_devices(
+      config.mesh.num_devices)
+  n = len(devices)
+  b = r.slots_per_worker
+  itemsize = np.dtype(model_cfg.dtype).itemsize if model_cfg.dtype != "bfloat16" else 2
+  e, d, f, nl = (model_cfg.num_experts, model_cfg.hidden_size, model_cfg.intermediate_size,
+                 model_cfg.num_layers)
+  expert_bytes = 3 * nl * d * f * itemsize
+  nonexpert_bytes = (model_cfg.param_count() - e * expert_bytes // itemsize) * itemsize
+  kv_bytes = 2 * nl * b * config.model.max_seq_len * model_cfg.num_kv_heads * \
+      model_cfg.head_dim * itemsize
+  budget = memory_budget_bytes(config, devices)
+  try:
+    floor = planner.floor_workers(e, expert_bytes, nonexpert_bytes, kv_bytes, budget, n)
+  except planner.FloorError as err:
+    raise RolloutError(f"mesh.device_memory_gb: {err}") from None
+  flex = config.schedule == "flexfloor"
+  slots = math.ceil(e / (floor if flex else n))
+  history_path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
+  if history is None:
+    try:
+      history = scheduler.LengthHistory.load(history_path)
+    except scheduler.HistoryError as err:
+      raise RolloutError(f"scheduler.history_path: {err}") from None
+
+  # -- placement (host policy)
+  workers = list(range(n))
+  predicted = scheduler.predict(history, seqs)
+  if flex:
+    chain = workers
+    queues = scheduler.flexfloor_placement(seqs, predicted, chain, b, floor=floor,
+                                           steps_per_dispatch=r.steps_per_dispatch)
+    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(chain),
+                                   compaction=bool(config.scheduler.compaction),
+                                   predicted={s.seq_id: float(p) for s, p in zip(seqs, predicted)})
+  else:
+    chain = workers
+    queues = scheduler.static_placement(seqs, workers)
+    policy = planner.ReleasePolicy(enabled=False, floor=n)
+  placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
+
+  # -- params (loaded only now: all input checks passed)
+  if params is None:
+    if config.model.checkpoint:
+      model_cfg_loaded, params = ckpt.load_checkpoint(config.model.checkpoint, model_cfg)
+      params = jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
+    else:
+      params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
+                               scale=config.model.init_scale)
+  spec = engine_lib.EngineSpec(
+      cfg=model_cfg, slots_per_worker=b, expert_slots=slots, max_seq_len=config.model.max_seq_len,
+      max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
+      sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
+                              config.sampling.top_k),
+      moe_backend=config.model.moe_backend,
+      interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu")
+  sizes = list(range(floor, n)) if flex else []
+  eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
+                          epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes[::-1])
+  by_prompt = {p.prompt_id: p for p in prompts}
+  eng.add_sequences({s.seq_id: engine_lib.SeqInput(
+      tokens=np.asarray(by_prompt[s.prompt_id].tokens, np.int32),
+      limit=s.target_len or s.max_new_tokens, stop_eos=mode == "model",
+      phash=prompt_hash(s.prompt_id), sample=s.sample, fixed_length=s.target_len is not None)
+      for s in seqs})
+  # Every executable this rollout may use is compiled before the first step (in background
+  # threads for the smaller meshes), so no compile lands on the critical path.
+  eng.steps.wait_all()
+  setup_s = time.perf_counter() - t_setup
+
+  from flexfloor_jax.policy import controller
+  bar = _progress(len(seqs), progress)
+  record = controller.run(seqs, queues, _ProgressExecutor(eng, bar), policy,
+                          steps_per_dispatch=r.steps_per_dispatch)
+  bar.close()
+
+  # -- results
+  m = record.metrics()
+  per_step = [(x["t1"] - x["t0"]) / x["num_steps"] for x in record.timeline.steps
+              if x["kind"] == "decode" and x["num_steps"] > 0]
+  m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
+  actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
+  m["prediction"] = scheduler.prediction_quality(predicted, actual) if len(history) else None
+  m.update(schedule=config.schedule, lengths=mode, num_workers=n, floor=floor,
+           expert_slots_per_worker=slots, slots_per_worker=b, setup_seconds=setup_s,
+           release_latency_s=eng.release_latencies,
+           expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
+           num_sequences=len(seqs), num_prompts=len(prompts))
+  if eng.release_latencies and "decode_step_median_s" in m:
+    m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
+        m["decode_step_median_s"], 1e-9)
+  responses = []
+  for s in seqs:
+    o = eng.outputs[s.seq_id]
+    text = tokenizer.decode(o.tokens) if tokenizer is not None else None
+    responses.append({"prompt_id": s.prompt_id, "sample": s.sample, "tokens": o.tokens,
+                      "text": text, "finish_reason": o.finish_reason,
+                      "num_tokens": len(o.tokens), "logprobs": o.logprobs, "worker": o.worker})
+  history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
+  tl = record.timeline
+  if write_outputs:
+    out = r.output_dir
+    os.makedirs(out, exist_ok=True)
+    atomic_write(os.path.join(out, "responses.jsonl"),
+                 "".join(json.dumps(_jsonable(x)) + "\n" for x in responses))
+    atomic_write(os.path.join(out, "summary.json"), json.dumps(_jsonable(m), indent=2))
+    accounting.plot_timeline(tl, os.path.join(out, "timeline.png"),
+                             title=f"{config.schedule}: {n} workers, epoch {r.epoch}")
+    history.save(history_path)
+  return RolloutResult(summary=_jsonable(m), responses=responses, timeline=tl, record=record)
+
+
+def _inspect_checkpoint(ckpt, path: str):
+  """The checkpoint's ModelConfig without loading its tensors (fail fast on bad input)."""
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return ckpt.inspect_hf(path)
+  loaded = ckpt.load_checkpoint(path)  # orbax: small config JSON + lazy restore
+  return loaded[0]
+
+
+def _progress(total: int, enabled: bool):
+  from tqdm import tqdm
+  return tqdm(total=total, desc="responses", unit="seq", disable=not enabled, leave=False)
+
+
+class _ProgressExecutor:
+  """Forwards to the engine and ticks the progress bar on every finish."""
+
+  def __init__(self, eng, bar):
+    self._eng, self._bar = eng, bar
+    self.slots_per_worker = eng.spec.slots_per_worker
+
+  def prefill(self, assign):
+    out = self._eng.prefill(assign)
+    self._bar.update(len(out))
+    return out
+
+  def decode(self, max_steps, stop_on_refill, stop_on_idle):
+    k, out = self._eng.decode(max_steps, stop_on_refill, stop_on_idle)
+    self._bar.update(len(out))
+    return k, out
+
+  def migrate(self, moves):
+    return self._eng.migrate(moves)
+
+  def shrink(self, new_active):
+    return self._eng.shrink(new_active)
+
+  def active_workers(self):
+    return self._eng.active_workers()
