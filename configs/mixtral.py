@@ -39,6 +39,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rollout.lengths = "auto"  # 'model' | 'workload' | lengths JSONL; auto: workload w/o checkpoint
   c.rollout.epoch = 0  # workload epoch / RL step (keys sampling, drives length history)
   c.rollout.steps_per_dispatch = 8  # decode steps per device dispatch (host checks in between)
+  c.rollout.wait_compiles = False  # True: compile every mesh size before the first step
   c.rollout.output_dir = "rollout_out"
 
   c.sampling = ml_collections.ConfigDict()

@@ -47,6 +47,7 @@ class EngineSpec:
   chunk_tokens: int = 64
   moe_backend: str = "xla"
   interpret: bool = False
+  warm_up: bool = True  # run each executable once at compile time (placeholder inputs)
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
     return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
@@ -260,7 +261,28 @@ class StepSet:
       self._compiled["decode"] = self._decode_jit().lower(*self.decode_args_abstract()).compile()
       from flexfloor_jax import elastic  # the row movers for this mesh
       self._compiled.update(elastic.compile_movers(self))
+      if self.spec.warm_up:
+        self.warm_up()
     return self
+
+  def warm_up(self):
+    """Run each executable once on placeholder inputs (no slot touched, zero steps), so the
+    first real call on this mesh after a release pays no first-call costs."""
+    zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+    args = list(jax.tree.map(zeros, self.prefill_args_abstract()))
+    args[8] = jax.device_put(np.full((self.mesh.size,), -1, np.int32), self.worker_sharding)
+    jax.block_until_ready(self._compiled["prefill"](*args))
+    args = jax.tree.map(zeros, self.decode_args_abstract())
+    jax.block_until_ready(self._compiled["decode"](*args))
+    idx = jax.device_put(np.full((self.mesh.size,), -1, np.int32), self.worker_sharding)
+    for group in ("experts", "slots"):
+      tree = self._compiled[f"zeros_{group}"]
+      full = {"experts": self.abstract_experts,
+              "slots": {"k": self.abstract_kv, "v": self.abstract_kv, **self.abstract_state}}[group]
+      t = jax.tree.map(zeros, full)
+      rows = self._compiled[f"extract_{group}"](t, idx)
+      jax.block_until_ready(self._compiled[f"insert_{group}"](t, rows, idx))
+      del tree
 
   def __getitem__(self, name: str):
     return self.compile()._compiled[name]
@@ -339,6 +361,14 @@ class StepCache:
   def wait_all(self):
     for n in list(self._futures):
       self.get(n)
+
+  def ready(self, n: int) -> bool:
+    """Is the StepSet for n workers compiled (so moving to it costs no compile)?"""
+    return n in self._sets or (n in self._futures and self._futures[n].done())
+
+  def close(self):
+    """Drop compiles not started yet (the one in flight finishes: XLA can't be interrupted)."""
+    self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Engine:

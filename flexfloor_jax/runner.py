@@ -228,7 +228,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   if model_cfg is None:
     if config.model.checkpoint:
       try:
-        model_cfg = _inspect_checkpoint(ckpt, config.model.checkpoint)
+        model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
       except ckpt.CheckpointError as e:
         raise RolloutError(f"model.checkpoint: {e}") from None
     else:
@@ -319,16 +319,24 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       limit=s.target_len or s.max_new_tokens, stop_eos=mode == "model",
       phash=prompt_hash(s.prompt_id), sample=s.sample, fixed_length=s.target_len is not None)
       for s in seqs})
-  # Every executable this rollout may use is compiled before the first step (in background
-  # threads for the smaller meshes), so no compile lands on the critical path.
-  eng.steps.wait_all()
+  # The executables of the smaller meshes compile in a background thread. Either wait for them
+  # (reproducible releases: benchmarks, tests) or start at once and never release onto a mesh
+  # whose executable is not ready yet: a release never waits for a compile.
+  if r.wait_compiles:
+    eng.steps.wait_all()
+  elif flex:
+    policy = _ReadyFloor(policy, eng.steps, n)
   setup_s = time.perf_counter() - t_setup
 
   from flexfloor_jax.policy import controller
   bar = _progress(len(seqs), progress)
-  record = controller.run(seqs, queues, _ProgressExecutor(eng, bar), policy,
-                          steps_per_dispatch=r.steps_per_dispatch)
-  bar.close()
+  try:
+    record = controller.run(seqs, queues, _ProgressExecutor(eng, bar), policy,
+                            steps_per_dispatch=r.steps_per_dispatch)
+  finally:
+    bar.close()
+    if step_cache is None:
+      eng.steps.close()
 
   # -- results
   m = record.metrics()
@@ -366,17 +374,35 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   return RolloutResult(summary=_jsonable(m), responses=responses, timeline=tl, record=record)
 
 
-def _inspect_checkpoint(ckpt, path: str):
-  """The checkpoint's ModelConfig without loading its tensors (fail fast on bad input)."""
-  if os.path.isfile(os.path.join(path, "config.json")):
-    return ckpt.inspect_hf(path)
-  loaded = ckpt.load_checkpoint(path)  # orbax: small config JSON + lazy restore
-  return loaded[0]
-
-
 def _progress(total: int, enabled: bool):
   from tqdm import tqdm
   return tqdm(total=total, desc="responses", unit="seq", disable=not enabled, leave=False)
+
+
+class _ReadyFloor:
+  """Release policy whose floor is raised to the smallest mesh already compiled (sizes compile
+  from the largest down, so the ready ones are n..m)."""
+
+  def __init__(self, policy, steps, n: int):
+    self._policy, self._steps, self._n = policy, steps, n
+    self._floor = policy.floor
+
+  def _update(self):
+    m = self._n
+    while m - 1 >= self._floor and self._steps.ready(m - 1):
+      m -= 1
+    self._policy.floor = m
+
+  def stop_masks(self, st):
+    self._update()
+    return self._policy.stop_masks(st)
+
+  def plan(self, st):
+    self._update()
+    return self._policy.plan(st)
+
+  def __getattr__(self, name):
+    return getattr(self._policy, name)
 
 
 class _ProgressExecutor:

@@ -1,0 +1,100 @@
+"""Tiny random `transformers.MixtralForCausalLM` checkpoints for tests (no network).
+
+The torch model is the parity reference, so it is built the way a user's checkpoint would be
+(`save_pretrained`), with weights large enough that logits are not flat and norm weights that are
+not all ones (ones would hide a swapped or untransposed norm).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+# Parity cases. "gqa": explicit head_dim != hidden/heads, 8 experts, full attention, hub layout.
+# "swa": sliding window 4 (most prompts are 9-16 tokens, so it matters), default head_dim, 4 experts,
+# fused expert layout in several shards.
+CASES = {
+    "gqa": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8,
+                num_experts_per_tok=2, rope_theta=5000.0, sliding_window=None, rms_norm_eps=1e-5,
+                max_position_embeddings=256, initializer_range=0.15),
+    "swa": dict(vocab_size=300, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=None, num_local_experts=4,
+                num_experts_per_tok=2, rope_theta=20000.0, sliding_window=4, rms_norm_eps=1e-6,
+                max_position_embeddings=256, initializer_range=0.15),
+}
+
+
+def mixtral_config(**overrides):
+  from transformers import MixtralConfig
+
+  kw = dict(CASES["gqa"])
+  kw.update(overrides)
+  theta = kw.pop("rope_theta")
+  kw.setdefault("bos_token_id", 1)
+  kw.setdefault("eos_token_id", 2)
+  return MixtralConfig(rope_parameters={"rope_type": "default", "rope_theta": theta},
+                       attn_implementation="eager", **kw)
+
+
+def build_model(config, seed: int):
+  """fp32, eval mode, seeded; norm weights drawn around 1.
+
+  torch runs single-threaded: these models are tiny, and on a shared 2-core machine torch's
+  spinning worker threads made generate() 20x slower (18 s vs 0.9 s) next to XLA's threads."""
+  import torch
+  from transformers import MixtralForCausalLM
+
+  torch.set_num_threads(1)
+
+  torch.manual_seed(seed)
+  model = MixtralForCausalLM(config).to(torch.float32).eval()
+  g = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+  return model
+
+
+def save(model, path: str, *, fused: bool = False, max_shard_size: Optional[str] = None) -> str:
+  """save_pretrained. fused=False: hub layout (block_sparse_moe.experts.N.w1/w2/w3, the 5.x
+  default, converted back on save); fused=True: the in-memory layout (mlp.experts.gate_up_proj /
+  down_proj). max_shard_size splits into several files with model.safetensors.index.json."""
+  kw = {"save_original_format": not fused}
+  if max_shard_size:
+    kw["max_shard_size"] = max_shard_size
+  model.save_pretrained(path, **kw)
+  return path
+
+
+def make_checkpoint(path: str, case: str = "gqa", seed: int = 0, **save_kw):
+  """Build and save one case; returns the torch model."""
+  model = build_model(mixtral_config(**CASES[case]), seed)
+  save(model, path, **save_kw)
+  return model
+
+
+def read_all(path: str) -> dict[str, np.ndarray]:
+  """Every tensor of a checkpoint dir (single or sharded), for tests that rewrite files."""
+  from safetensors.numpy import load_file
+
+  out = {}
+  for f in sorted(os.listdir(path)):
+    if f.endswith(".safetensors"):
+      out.update(load_file(os.path.join(path, f)))
+  return out
+
+
+def write_single(path: str, tensors: dict[str, np.ndarray], config: dict) -> str:
+  """A one-file checkpoint dir with the given tensors and config dict."""
+  from safetensors.numpy import save_file
+
+  os.makedirs(path, exist_ok=True)
+  save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config, f)
+  return path
