@@ -1,0 +1,347 @@
+"""Grouped (per-expert) matmul over the padded tile layout of `kernels.dispatch_plan`.
+
+Tile i (rows [i*tile_m, (i+1)*tile_m)) is multiplied by rhs[tile_group[i]] for i < num_tiles_used;
+later tiles are zero and cost no matmul. Every tile is the same [tile_m, K] x [K, N] GEMM with fp32
+accumulation, so a row's result is bitwise independent of the other rows of its tile and of the
+group sizes (batch invariance; see DESIGN.md "Determinism").
+
+impl='xla' (the CPU default, and the path used for training) is a `lax.fori_loop` with a dynamic trip
+count over the used tiles and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU
+kernel (megablox-style, tile metadata through scalar prefetch), a Mosaic GPU kernel (Hopper wgmma;
+tile metadata read from GMEM inside the kernel because Mosaic GPU has no scalar prefetch), or on any
+other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
+forward shares the custom_vjp: d_lhs runs the same Pallas kernel on transposed weights, d_rhs the XLA
+"tgmm" loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
+
+# 256 keeps the per-tile GEMM efficient on XLA:CPU (128-row tiles run ~1.5x slower per flop there)
+# while bounding padding waste to < 256 rows per group; see `python -m kernels.bench`.
+DEFAULT_TILE_M = 256
+
+
+def grouped_matmul(
+    lhs_PK: jax.Array,
+    rhs_GKN: jax.Array,
+    tile_group: jax.Array,
+    num_tiles_used: jax.Array,
+    *,
+    tile_m: int = DEFAULT_TILE_M,
+    impl: str = "xla",
+    interpret: bool = False,
+    preferred_element_type=None,
+    transpose_rhs: bool = False,
+) -> jax.Array:
+  """out_PN[tile i] = lhs tile i @ rhs_GKN[tile_group[i]] for i < num_tiles_used, else 0.
+
+  `transpose_rhs=True` takes rhs as [G, N, K] and contracts its last dim (used by the backward pass,
+  saves materialising a transposed copy of the weights). Output dtype: `preferred_element_type` or
+  lhs's; accumulation is always fp32. Differentiable w.r.t. lhs and rhs for both impls.
+  """
+  num_rows, k_dim = lhs_PK.shape
+  k_rhs = rhs_GKN.shape[2] if transpose_rhs else rhs_GKN.shape[1]
+  if rhs_GKN.ndim != 3 or k_rhs != k_dim:
+    raise ValueError(f"shape mismatch: lhs {lhs_PK.shape}, rhs {rhs_GKN.shape}, {transpose_rhs=}")
+  if num_rows % tile_m or tile_group.shape != (num_rows // tile_m,):
+    raise ValueError(
+        f"rows {num_rows} must be tiles of tile_m={tile_m} matching tile_group {tile_group.shape}"
+    )
+  if impl not in ("xla", "pallas"):
+    raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
+  out_dtype = jnp.dtype(preferred_element_type or lhs_PK.dtype)
+  return _gmm(
+      lhs_PK,
+      rhs_GKN,
+      tile_group.astype(jnp.int32),
+      jnp.asarray(num_tiles_used, jnp.int32).reshape(()),
+      tile_m,
+      impl,
+      bool(interpret),
+      out_dtype,
+      bool(transpose_rhs),
+  )
+
+
+# --------------------------------------------------------------------------------------------------
+# custom_vjp shared by both impls
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _gmm(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
+  return _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs)
+
+
+def _gmm_fwd(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
+  out = _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs)
+  return out, (lhs, rhs, tile_group, used)
+
+
+def _gmm_bwd(tile_m, impl, interpret, out_dtype, transpose_rhs, res, d_out):
+  del out_dtype
+  lhs, rhs, tile_group, used = res
+  # Cotangents enter in the operand precision (as megablox does); accumulation stays fp32.
+  d_out = d_out.astype(lhs.dtype)
+  # Same tiles, weights transposed: d_lhs tile = d_out tile @ rhs[g]^T.
+  d_lhs = _gmm_forward(
+      d_out, rhs.astype(lhs.dtype), tile_group, used, tile_m, impl, interpret, lhs.dtype,
+      not transpose_rhs,
+  )
+  d_rhs_GKN = _tgmm_xla(lhs, d_out, tile_group, used, rhs.shape[0], tile_m)
+  d_rhs = jnp.swapaxes(d_rhs_GKN, 1, 2) if transpose_rhs else d_rhs_GKN
+  return d_lhs, d_rhs.astype(rhs.dtype), None, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
+  if impl == "xla":
+    return _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
+  return _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret)
+
+
+# --------------------------------------------------------------------------------------------------
+# XLA reference (CPU fast path)
+
+
+def _dot_dims(transpose_rhs: bool):
+  return (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+
+def _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
+  """fori_loop over the used tiles: one fixed-shape dot each, written in place into a zero buffer.
+
+  The trip count is dynamic, so padding tiles cost nothing; the zero buffer is a calloc on CPU.
+  """
+  num_rows = lhs.shape[0]
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+
+  def body(i, out):
+    x = lax.dynamic_slice_in_dim(lhs, i * tile_m, tile_m, 0)
+    w = lax.dynamic_index_in_dim(rhs, tile_group[i], 0, keepdims=False)
+    y = lax.dot_general(x, w, _dot_dims(transpose_rhs), preferred_element_type=jnp.float32)
+    return lax.dynamic_update_slice_in_dim(out, y.astype(out_dtype), i * tile_m, 0)
+
+  return lax.fori_loop(0, used, body, jnp.zeros((num_rows, n_dim), out_dtype))
+
+
+def _tgmm_xla(lhs, d_out, tile_group, used, num_groups, tile_m):
+  """d_rhs[g] = sum over used tiles of group g, in tile order, of lhs_tile^T @ d_out_tile (fp32)."""
+  k_dim, n_dim = lhs.shape[1], d_out.shape[1]
+
+  def body(i, acc):
+    x = lax.dynamic_slice_in_dim(lhs, i * tile_m, tile_m, 0)
+    dy = lax.dynamic_slice_in_dim(d_out, i * tile_m, tile_m, 0)
+    upd = lax.dot_general(x, dy, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    g = tile_group[i]
+    cur = lax.dynamic_index_in_dim(acc, g, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(acc, cur + upd, g, 0)
+
+  return lax.fori_loop(0, used, body, jnp.zeros((num_groups, k_dim, n_dim), jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Pallas: one kernel body per backend, chosen at lowering time
+
+
+def _pick_block(dim: int, prefs=(512, 256, 128)) -> int:
+  for b in prefs:
+    if dim % b == 0:
+      return b
+  return dim  # a full-extent block is always legal on TPU
+
+
+def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret):
+  tpu = functools.partial(
+      _gmm_tpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs, interpret=False
+  )
+  interp = functools.partial(
+      _gmm_tpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs, interpret=True
+  )
+  args = (lhs, rhs, tile_group, used)
+  if interpret:
+    return interp(*args)
+  if _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs):
+    cuda = functools.partial(
+        _gmm_mgpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+    )
+  else:  # shapes/dtypes the wgmma kernel does not take (e.g. fp32): XLA on GPU.
+    cuda = functools.partial(
+        _gmm_xla, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+    )
+  return lax.platform_dependent(*args, tpu=tpu, cuda=cuda, default=interp)
+
+
+def _gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, interpret):
+  """Mosaic TPU kernel, grid (row tiles, N blocks, K blocks), megablox-style.
+
+  tile_group and num_tiles_used arrive through scalar prefetch; the rhs index_map picks the tile's
+  group. Steps past num_tiles_used map every input to the block of the last used step, so the
+  pipeline issues no DMA for them, and skip the matmul: they only store a zero output block.
+  """
+  num_rows, k_dim = lhs.shape
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tn, tk = _pick_block(n_dim), _pick_block(k_dim)
+  num_tiles, n_blocks, k_blocks = num_rows // tile_m, n_dim // tn, k_dim // tk
+
+  def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
+    i, k = pl.program_id(0), pl.program_id(2)
+
+    @pl.when(k == 0)
+    def _():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(i < used_ref[0])
+    def _():
+      acc_ref[...] += lax.dot_general(
+          lhs_ref[...], rhs_ref[...], _dot_dims(transpose_rhs), preferred_element_type=jnp.float32
+      )
+
+    @pl.when(k == k_blocks - 1)
+    def _():
+      out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+  def effective(i, n, k, used_ref):
+    active = i < used_ref[0]
+    last = jnp.maximum(used_ref[0] - 1, 0)
+    return (
+        jnp.where(active, i, last),
+        jnp.where(active, n, n_blocks - 1),
+        jnp.where(active, k, k_blocks - 1),
+    )
+
+  def lhs_map(i, n, k, tg_ref, used_ref):
+    i, _, k = effective(i, n, k, used_ref)
+    return i, k
+
+  def rhs_map(i, n, k, tg_ref, used_ref):
+    i, n, k = effective(i, n, k, used_ref)
+    return (tg_ref[i], n, k) if transpose_rhs else (tg_ref[i], k, n)
+
+  rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+  cost = pl.CostEstimate(
+      flops=2 * num_rows * k_dim * n_dim,
+      transcendentals=0,
+      bytes_accessed=int(
+          lhs.size * lhs.dtype.itemsize * n_blocks
+          + num_tiles * k_dim * n_dim * rhs.dtype.itemsize
+          + num_rows * n_dim * out_dtype.itemsize
+      ),
+  )
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(num_tiles, n_blocks, k_blocks),
+          in_specs=[pl.BlockSpec((tile_m, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)],
+          out_specs=pl.BlockSpec((tile_m, tn), lambda i, n, k, tg_ref, used_ref: (i, n)),
+          scratch_shapes=[pltpu.VMEM((tile_m, tn), jnp.float32)],
+      ),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")
+      ),
+      cost_estimate=cost,
+      interpret=interpret,
+  )(tile_group, used.reshape((1,)), lhs, rhs)
+
+
+# Mosaic GPU (Hopper wgmma). Block sizes: 128 rows keep a 128x128 fp32 accumulator in one warpgroup's
+# registers; 64 K-columns of a 2-byte dtype are one 128-byte swizzle row.
+_MGPU_BLOCK_M = 128
+_MGPU_BLOCK_N = 128
+_MGPU_BLOCK_K = 64
+_MGPU_STAGES = 3
+
+
+def _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs) -> bool:
+  del out_dtype
+  k_dim = lhs.shape[1]
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  block_m = min(tile_m, _MGPU_BLOCK_M)
+  return (
+      lhs.dtype == rhs.dtype
+      and lhs.dtype in (jnp.bfloat16, jnp.float16)
+      and block_m % 64 == 0
+      and tile_m % block_m == 0
+      and n_dim % _MGPU_BLOCK_N == 0
+      and k_dim % _MGPU_BLOCK_K == 0
+  )
+
+
+def _gmm_mgpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):
+  """Mosaic GPU kernel: one CTA per (row block, N block); a row block is a slice of one tile.
+
+  No scalar prefetch on Mosaic GPU, so tile_group / num_tiles_used are GMEM refs read inside the
+  kernel; the K loop is an `emit_pipeline` of TMA copies feeding wgmma. Unused tiles store zeros.
+  """
+  num_rows, k_dim = lhs.shape
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  block_m = min(tile_m, _MGPU_BLOCK_M)
+  blocks_per_tile = tile_m // block_m
+  bn, bk = _MGPU_BLOCK_N, _MGPU_BLOCK_K
+
+  def body(tg_gmem, used_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    mi, ni = lax.axis_index("m"), lax.axis_index("n")
+    tile = lax.div(mi, jnp.int32(blocks_per_tile))
+    out_block = out_gmem.at[pl.ds(mi * block_m, block_m), pl.ds(ni * bn, bn)]
+
+    def store(value):
+      @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((block_m, bn), out_gmem.dtype))
+      def _(o_smem):
+        o_smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_block)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    is_used = tile < used_gmem[0]
+
+    @pl.when(is_used)
+    def _():
+      group = tg_gmem[tile]
+
+      def step(_, lhs_smem, rhs_smem, acc_ref):
+        rhs_op = plgpu.transpose_ref(rhs_smem, (1, 0)) if transpose_rhs else rhs_smem
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_op)
+
+      def acc_scope(acc_ref):
+        rhs_spec = (
+            plgpu.BlockSpec((bn, bk), lambda k: (ni, k))
+            if transpose_rhs
+            else plgpu.BlockSpec((bk, bn), lambda k: (k, ni))
+        )
+        plgpu.emit_pipeline(
+            lambda idx, l, r: step(idx, l, r, acc_ref),
+            grid=(k_dim // bk,),
+            in_specs=[plgpu.BlockSpec((block_m, bk), lambda k: (mi, k)), rhs_spec],
+            max_concurrent_steps=min(_MGPU_STAGES, k_dim // bk),
+        )(lhs_gmem, rhs_gmem.at[group])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, bn), jnp.float32))
+      store(acc.astype(out_gmem.dtype))
+
+    @pl.when(jnp.logical_not(is_used))
+    def _():
+      store(jnp.zeros((block_m, bn), out_gmem.dtype))
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
+      grid=(num_rows // block_m, n_dim // bn),
+      grid_names=("m", "n"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
+  )
+  return kernel(tile_group, used.reshape((1,)), lhs, rhs)

@@ -1,0 +1,395 @@
+"""MoE dispatch kernels: plan invariants, Pallas (interpret) == XLA, gradients, batch invariance,
+and cross-platform lowering of the compiled Pallas kernels from this CPU machine."""
+
+import functools
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# Submodule imports: they work even where `kernels` was installed (editable) before it had an
+# __init__.py and resolves as a namespace package.
+from kernels.combine import combine
+from kernels.dispatch_plan import make_plan, padded_rows
+from kernels.grouped_matmul import grouped_matmul
+from kernels.permute import permute
+
+S = jax.ShapeDtypeStruct
+
+
+def _key(seed):
+  return jax.random.key(seed)
+
+
+def _group_ids(seed, num_rows, num_groups, p_undispatched=0.2, probs=None):
+  """Random group ids with some -1 (not dispatched)."""
+  rng = np.random.default_rng(seed)
+  g = rng.choice(num_groups, size=num_rows, p=probs)
+  g[rng.random(num_rows) < p_undispatched] = -1
+  return g.astype(np.int32)
+
+
+# Edge-case assignments shared by the kernel tests, all with the same (rows, groups) so that each
+# jitted kernel compiles once for the whole file: (name, group_ids).
+NUM_ROWS, NUM_GROUPS = 40, 6
+
+
+def _one_row_groups():
+  g = np.full((NUM_ROWS,), -1, np.int32)
+  g[[3, 17, 30]] = [4, 0, 2]  # groups 1, 3, 5 empty
+  return g
+
+
+CASES = [
+    ("mixed_empty_groups", _group_ids(1, NUM_ROWS, NUM_GROUPS, probs=[0.4, 0, 0.3, 0, 0.3, 0])),
+    ("one_row_groups", _one_row_groups()),
+    ("all_in_one_group", np.full((NUM_ROWS,), 2, np.int32)),
+    ("undispatched_rows", _group_ids(2, NUM_ROWS, NUM_GROUPS, p_undispatched=0.6)),
+    ("nothing_dispatched", np.full((NUM_ROWS,), -1, np.int32)),
+]
+CASE_IDS = [c[0] for c in CASES]
+
+_jit_gmm = jax.jit(
+    grouped_matmul,
+    static_argnames=("tile_m", "impl", "interpret", "preferred_element_type", "transpose_rhs"),
+)
+_jit_permute = jax.jit(permute, static_argnames=("impl", "interpret"))
+_jit_combine = jax.jit(combine, static_argnames=("impl", "interpret"))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _plan(group_ids, num_groups, tile_m):
+  rows = padded_rows(group_ids.shape[0], num_groups, tile_m)
+  return make_plan(jnp.asarray(group_ids), num_groups, tile_m, rows)
+
+
+# --------------------------------------------------------------------------------------------------
+# dispatch plan
+
+
+def _numpy_plan(group_ids, num_groups, tile_m, num_rows_padded):
+  """Loop reference of the padded tile layout."""
+  row_src = np.full(num_rows_padded, -1)
+  row_dst = np.full(len(group_ids), -1)
+  tile_group, pos = [], 0
+  for g in range(num_groups):
+    rows = [r for r, gid in enumerate(group_ids) if gid == g]
+    for j, r in enumerate(rows):
+      row_src[pos + j] = r
+      row_dst[r] = pos + j
+    tiles = -(-len(rows) // tile_m)
+    tile_group += [g] * tiles
+    pos += tiles * tile_m
+  used = len(tile_group)
+  fill = tile_group[-1] if tile_group else 0
+  tile_group += [fill] * (num_rows_padded // tile_m - used)
+  return row_src, row_dst, np.array(tile_group), used
+
+
+def test_padded_rows_is_minimal_and_safe():
+  """Exhaustive over tiny sizes: no assignment needs more rows, and some assignment needs all."""
+  for num_rows, num_groups, tile_m in itertools.product(range(0, 7), range(1, 4), range(1, 4)):
+    worst = 0
+    for sizes in itertools.product(range(num_rows + 1), repeat=num_groups):
+      if sum(sizes) == num_rows:
+        worst = max(worst, sum(-(-s // tile_m) for s in sizes))
+    assert padded_rows(num_rows, num_groups, tile_m) == max(worst, 1) * tile_m
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_make_plan_matches_loop_reference(name, group_ids):
+  num_groups = NUM_GROUPS
+  tile_m = 4
+  plan = _plan(group_ids, num_groups, tile_m)
+  rows = plan.row_src.shape[0]
+  row_src, row_dst, tile_group, used = _numpy_plan(group_ids, num_groups, tile_m, rows)
+  np.testing.assert_array_equal(plan.row_src, row_src)
+  np.testing.assert_array_equal(plan.row_dst, row_dst)
+  np.testing.assert_array_equal(plan.tile_group, tile_group)
+  assert int(plan.num_tiles_used) == used
+  np.testing.assert_array_equal(
+      plan.group_sizes, [(group_ids == g).sum() for g in range(num_groups)]
+  )
+
+
+def test_make_plan_conservation_order_and_determinism():
+  num_groups, tile_m = 7, 8
+  group_ids = _group_ids(3, 300, num_groups, probs=np.array([30, 1, 0, 5, 2, 1, 0.5]) / 39.5)
+  plan = _plan(group_ids, num_groups, tile_m)
+  # Deterministic: a second call (fresh device buffers) and the loop reference agree exactly.
+  again = _plan(np.array(group_ids), num_groups, tile_m)
+  for a, b in zip(jax.tree.leaves(plan), jax.tree.leaves(again)):
+    np.testing.assert_array_equal(a, b)
+  want = _numpy_plan(group_ids, num_groups, tile_m, plan.row_src.shape[0])
+  np.testing.assert_array_equal(plan.row_src, want[0])
+
+  row_src, row_dst = np.asarray(plan.row_src), np.asarray(plan.row_dst)
+  dispatched = np.flatnonzero(group_ids >= 0)
+  # Every dispatched row appears exactly once; padding is -1; the two maps are inverse.
+  np.testing.assert_array_equal(np.sort(row_src[row_src >= 0]), dispatched)
+  assert (row_dst[group_ids < 0] == -1).all()
+  np.testing.assert_array_equal(row_src[row_dst[dispatched]], dispatched)
+  filled = np.flatnonzero(row_src >= 0)
+  np.testing.assert_array_equal(row_dst[row_src[filled]], filled)
+  # Tiles are single-group, groups are ordered, order inside a group is by source row (stable).
+  assert (np.asarray(plan.tile_group)[filled // tile_m] == group_ids[row_src[filled]]).all()
+  keys = group_ids[row_src[filled]] * 10_000 + row_src[filled]
+  assert (np.diff(keys) > 0).all()
+
+
+# --------------------------------------------------------------------------------------------------
+# permute
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_permute_pallas_equals_xla_and_roundtrips(name, group_ids):
+  plan = _plan(group_ids, NUM_GROUPS, 8)
+  seed = CASE_IDS.index(name)
+  x = jax.random.normal(_key(100 + seed), (len(group_ids), 128), jnp.float32)
+  xp = _jit_permute(x, plan.row_src)
+  ref = np.where((np.asarray(plan.row_src) >= 0)[:, None], np.asarray(x)[np.maximum(plan.row_src, 0)], 0)
+  np.testing.assert_array_equal(xp, ref)
+  np.testing.assert_array_equal(_jit_permute(x, plan.row_src, impl="pallas", interpret=True), xp)
+  # Unpermute with row_dst gives x back for dispatched rows and zeros for the others.
+  back = _jit_permute(xp, plan.row_dst, impl="pallas", interpret=True)
+  np.testing.assert_array_equal(back, np.where((group_ids >= 0)[:, None], x, 0))
+
+
+def test_permute_bf16():
+  x = jax.random.normal(_key(7), (50, 256), jnp.bfloat16)
+  idx = jax.random.randint(_key(8), (64,), -1, 50)
+  np.testing.assert_array_equal(
+      _jit_permute(x, idx, impl="pallas", interpret=True).astype(jnp.float32),
+      _jit_permute(x, idx).astype(jnp.float32),
+  )
+
+
+# --------------------------------------------------------------------------------------------------
+# grouped matmul
+
+
+def _dense_reference(lhs, rhs, tile_group, used, tile_m, transpose_rhs=False):
+  """Every group densely over all rows, masked to the rows of its tiles (jnp, differentiable)."""
+  tile_of_row = jnp.arange(lhs.shape[0]) // tile_m
+  row_group = jnp.where(tile_of_row < used, tile_group[tile_of_row], -1)
+  out = 0.0
+  for g in range(rhs.shape[0]):
+    w = rhs[g].T if transpose_rhs else rhs[g]
+    out = out + jnp.where((row_group == g)[:, None], jnp.dot(lhs, w, precision="highest"), 0.0)
+  return out
+
+
+_jit_dense = jax.jit(_dense_reference, static_argnums=(4, 5))
+
+
+def _gmm_inputs(seed, group_ids, num_groups, tile_m, k_dim, n_dim, transpose_rhs=False):
+  plan = _plan(group_ids, num_groups, tile_m)
+  x = jax.random.normal(_key(seed), (len(group_ids), k_dim)) / np.sqrt(k_dim)
+  lhs = _jit_permute(x, plan.row_src)
+  shape = (num_groups, n_dim, k_dim) if transpose_rhs else (num_groups, k_dim, n_dim)
+  rhs = jax.random.normal(_key(seed + 1), shape)
+  return plan, lhs, rhs
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_grouped_matmul_pallas_equals_xla(name, group_ids):
+  num_groups, tile_m, seed = NUM_GROUPS, 8, 200 + 10 * CASE_IDS.index(name)
+  # K=384 and N=640 give 3 K-blocks and 5 N-blocks of 128 in the Pallas grid.
+  plan, lhs, rhs = _gmm_inputs(seed, group_ids, num_groups, tile_m, 384, 640)
+  args = (lhs, rhs, plan.tile_group, plan.num_tiles_used)
+  out = _jit_gmm(*args, tile_m=tile_m)
+  ref = _jit_dense(*args, tile_m)
+  np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+  out_pallas = _jit_gmm(*args, tile_m=tile_m, impl="pallas", interpret=True)
+  assert float(jnp.max(jnp.abs(out_pallas - out))) <= 1e-5
+  used_rows = int(plan.num_tiles_used) * tile_m
+  assert not np.asarray(out_pallas[used_rows:]).any() and not np.asarray(out[used_rows:]).any()
+
+
+def test_grouped_matmul_transpose_rhs_and_bf16():
+  group_ids, num_groups, tile_m = CASES[0][1], NUM_GROUPS, 16
+  plan, lhs, rhs_GNK = _gmm_inputs(300, group_ids, num_groups, tile_m, 256, 128, transpose_rhs=True)
+  args = (lhs, rhs_GNK, plan.tile_group, plan.num_tiles_used)
+  out = _jit_gmm(*args, tile_m=tile_m, transpose_rhs=True)
+  np.testing.assert_allclose(out, _jit_dense(*args, tile_m, transpose_rhs=True), atol=1e-5)
+  out_p = _jit_gmm(*args, tile_m=tile_m, transpose_rhs=True, impl="pallas", interpret=True)
+  assert float(jnp.max(jnp.abs(out_p - out))) <= 1e-5
+  # bf16 operands, fp32 accumulation and output on both paths.
+  bf = (lhs.astype(jnp.bfloat16), rhs_GNK.astype(jnp.bfloat16)) + args[2:]
+  kw = dict(tile_m=tile_m, transpose_rhs=True, preferred_element_type=jnp.float32)
+  out_bf = _jit_gmm(*bf, **kw)
+  assert out_bf.dtype == jnp.float32
+  out_bf_p = _jit_gmm(*bf, **kw, impl="pallas", interpret=True)
+  assert float(jnp.max(jnp.abs(out_bf_p - out_bf))) <= 1e-5
+
+
+def test_shape_checks():
+  tg = jnp.zeros((4,), jnp.int32)
+  with pytest.raises(ValueError, match="tile_m"):  # tile_group was built for another tile_m
+    grouped_matmul(jnp.zeros((64, 8)), jnp.zeros((2, 8, 8)), tg, 1, tile_m=8)
+  with pytest.raises(ValueError, match="multiple of tile_m"):
+    make_plan(jnp.zeros((5,), jnp.int32), 2, 4, 10)
+  with pytest.raises(ValueError, match="impl"):
+    permute(jnp.zeros((4, 8)), jnp.zeros((4,), jnp.int32), impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_grouped_matmul_gradients(impl, transpose_rhs):
+  group_ids, num_groups, tile_m = CASES[0][1], NUM_GROUPS, 8
+  seed = 400 + 2 * transpose_rhs + (impl == "pallas")
+  plan, lhs, rhs = _gmm_inputs(seed, group_ids, num_groups, tile_m, 128, 256, transpose_rhs)
+  cot = jax.random.normal(_key(seed + 50), (lhs.shape[0], 256))
+  tg, used = plan.tile_group, plan.num_tiles_used
+
+  def loss(fn):
+    return lambda l, r: jnp.sum(fn(l, r) * cot)
+
+  gmm = lambda l, r: grouped_matmul(
+      l, r, tg, used, tile_m=tile_m, impl=impl, interpret=True, transpose_rhs=transpose_rhs
+  )
+  ref = lambda l, r: _dense_reference(l, r, tg, used, tile_m, transpose_rhs)
+  got = jax.jit(jax.grad(loss(gmm), argnums=(0, 1)))(lhs, rhs)
+  want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(lhs, rhs)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape
+    assert float(jnp.max(jnp.abs(g - w))) <= 1e-4
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _pipeline(x_RD, group_ids, rhs, tile_m):
+  """plan -> permute -> grouped_matmul -> unpermute, as the MoE layer runs it."""
+  plan = _plan(group_ids, rhs.shape[0], tile_m)
+  y = grouped_matmul(permute(x_RD, plan.row_src), rhs, plan.tile_group, plan.num_tiles_used, tile_m=tile_m)
+  return permute(y, plan.row_dst)
+
+
+def _pipeline_row(x_RD, group_ids, rhs, tile_m, row):
+  return np.asarray(_pipeline(x_RD, jnp.asarray(group_ids), rhs, tile_m)[row])
+
+
+def _placement(group_ids, num_groups, tile_m, row):
+  """(tile index, position inside the tile) of a source row."""
+  dst = int(_plan(group_ids, num_groups, tile_m).row_dst[row])
+  return dst // tile_m, dst % tile_m
+
+
+@pytest.mark.parametrize("tile_m,k_dim,n_dim", [(16, 64, 128), (256, 256, 512)])
+def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim):
+  """A row's output is bitwise the same whatever shares its tile, wherever in the tile it sits, and
+  however many rows the other groups get (the row's tile index moves)."""
+  num_groups, rows, row = 4, 3 * tile_m, 5
+  rhs = jax.random.normal(_key(500 + tile_m), (num_groups, k_dim, n_dim))
+  x = jax.random.normal(_key(501 + tile_m), (rows, k_dim))
+  base_ids = _group_ids(502, rows, num_groups, p_undispatched=0.1)
+  base_ids[row] = 1
+  base = _pipeline_row(x, base_ids, rhs, tile_m, row)
+  assert np.isfinite(base).all() and base.any()
+
+  rng = np.random.default_rng(503)
+  placements = {_placement(base_ids, num_groups, tile_m, row)}
+  for trial in range(3):
+    # Fresh contents for every other row, new group sizes for the other groups, a different number
+    # of same-group rows before this one (changes its position inside the tile).
+    x2 = jax.random.normal(_key(600 + trial), (rows, k_dim)).at[row].set(x[row])
+    ids = rng.choice([-1, 0, 2, 3], size=rows, p=[0.1, 0.25 * trial, 0.4, 0.5 - 0.25 * trial])
+    ids[rng.random(rows) < 0.3] = 1
+    ids[row] = 1
+    ids = ids.astype(np.int32)
+    placements.add(_placement(ids, num_groups, tile_m, row))
+    out = _pipeline_row(x2, ids, rhs, tile_m, row)
+    assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), f"trial {trial}"
+  # The trials did move the row: other tile indices and other positions inside the tile.
+  assert len({t for t, _ in placements}) > 1 and len({p for _, p in placements}) > 1, placements
+
+
+# --------------------------------------------------------------------------------------------------
+# combine
+
+
+def _combine_numpy(y, row_dst, w):
+  acc = np.zeros((row_dst.shape[0], y.shape[1]), np.float32)
+  for k in range(row_dst.shape[1]):
+    valid = (row_dst[:, k] >= 0)[:, None]
+    term = w[:, k, None].astype(np.float32) * y[np.maximum(row_dst[:, k], 0)].astype(np.float32)
+    acc = acc + np.where(valid, term, np.float32(0))
+  return acc
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_combine_pallas_equals_xla(name, group_ids):
+  top_k = 2
+  seed = 700 + CASE_IDS.index(name)
+  plan = _plan(group_ids, NUM_GROUPS, 8)
+  y = jax.random.normal(_key(seed), (plan.row_src.shape[0], 128))
+  row_dst_TK = plan.row_dst.reshape(-1, top_k)
+  w = jax.random.uniform(_key(seed + 1), row_dst_TK.shape)
+  # A skipped slot contributes nothing, even with a non-finite weight.
+  w = jnp.where(row_dst_TK < 0, jnp.nan, w)
+  out = _jit_combine(y, row_dst_TK, w)
+  np.testing.assert_allclose(out, _combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w)), atol=1e-6, rtol=0)
+  assert np.isfinite(np.asarray(out)).all()
+  out_p = _jit_combine(y, row_dst_TK, w, impl="pallas", interpret=True)
+  assert float(jnp.max(jnp.abs(out_p - out))) <= 1e-6
+
+
+def test_combine_bf16_topk4():
+  y = jax.random.normal(_key(800), (96, 256), jnp.bfloat16)
+  dst = jax.random.randint(_key(801), (32, 4), -1, 96)
+  w = jax.random.uniform(_key(802), (32, 4), jnp.float32)
+  out = _jit_combine(y, dst, w)
+  assert out.dtype == jnp.bfloat16
+  ref = _combine_numpy(np.asarray(y.astype(jnp.float32)), np.asarray(dst), np.asarray(w))
+  np.testing.assert_array_equal(out.astype(jnp.float32), jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))
+  out_p = _jit_combine(y, dst, w, impl="pallas", interpret=True)
+  np.testing.assert_array_equal(out_p.astype(jnp.float32), out.astype(jnp.float32))
+
+
+# --------------------------------------------------------------------------------------------------
+# Cross-platform lowering (compiled, non-interpret kernels) from this CPU machine
+
+
+def _custom_calls(exported):
+  text = exported.mlir_module()
+  return set(re.findall(r'custom_call @?"?(\w+)', text)) | set(re.findall(r'call_target_name = "(\w+)"', text))
+
+
+def _gmm_export_fns(dtype, tile_m=128, transpose_rhs=False):
+  shape = (4, 512, 256) if transpose_rhs else (4, 256, 512)
+  args = (S((512, 256), dtype), S(shape, dtype), S((512 // tile_m,), jnp.int32), S((), jnp.int32))
+  kw = dict(tile_m=tile_m, impl="pallas", transpose_rhs=transpose_rhs)
+  fwd = lambda l, r, tg, u: grouped_matmul(l, r, tg, u, **kw)
+  grad = jax.grad(lambda l, r, tg, u: jnp.sum(fwd(l, r, tg, u).astype(jnp.float32)), argnums=(0, 1))
+  return fwd, grad, args
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_pallas_kernels_lower_for_tpu(dtype):
+  for transpose_rhs in (False, True):
+    fwd, grad, args = _gmm_export_fns(dtype, transpose_rhs=transpose_rhs)
+    for fn in (fwd, grad):
+      assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fn), platforms=["tpu"])(*args))
+  fp = lambda x, s: permute(x, s, impl="pallas")
+  exp = jax.export.export(jax.jit(fp), platforms=["tpu"])(S((100, 256), dtype), S((512,), jnp.int32))
+  assert "tpu_custom_call" in _custom_calls(exp)
+  fc = lambda y, d, w: combine(y, d, w, impl="pallas")
+  exp = jax.export.export(jax.jit(fc), platforms=["tpu"])(
+      S((512, 256), dtype), S((64, 2), jnp.int32), S((64, 2), jnp.float32)
+  )
+  assert "tpu_custom_call" in _custom_calls(exp)
+
+
+def test_grouped_matmul_mosaic_gpu_lowers_for_cuda():
+  for transpose_rhs in (False, True):
+    fwd, grad, args = _gmm_export_fns(jnp.bfloat16, transpose_rhs=transpose_rhs)
+    for fn in (fwd, grad):
+      try:
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
+      except Exception as e:  # pragma: no cover - depends on the jaxlib build
+        msg = f"Mosaic GPU lowering for cuda unavailable here: {type(e).__name__}: {e}"
+        print(msg)
+        pytest.skip(msg)
+      assert "mosaic_gpu_v2" in _custom_calls(exp)
