@@ -51,6 +51,9 @@ def validate_config(config) -> None:
   r, s = config.rollout, config.sampling
   _check(config.schedule in ("static", "flexfloor"),
          f"schedule must be 'static' or 'flexfloor', got {config.schedule!r}")
+  _check(config.scheduler.get("placement", "auto") in ("auto", "static"),
+         f"scheduler.placement must be 'auto' or 'static', got "
+         f"{config.scheduler.get('placement')!r}")
   _check(r.max_new_tokens > 0, f"rollout.max_new_tokens must be > 0, got {r.max_new_tokens}")
   _check(r.samples_per_prompt > 0,
          f"rollout.samples_per_prompt must be > 0, got {r.samples_per_prompt}")
@@ -198,6 +201,17 @@ def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:
   return seqs
 
 
+def model_bytes(model_cfg, config) -> tuple[int, int, int]:
+  """(bytes of one expert, bytes of all non-expert weights, KV cache bytes of one worker)."""
+  itemsize = 2 if model_cfg.dtype == "bfloat16" else np.dtype(model_cfg.dtype).itemsize
+  d, f, nl = model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers
+  expert = 3 * nl * d * f * itemsize
+  nonexpert = model_cfg.param_count() * itemsize - model_cfg.num_experts * expert
+  kv = (2 * nl * config.rollout.slots_per_worker * config.model.max_seq_len
+        * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize)
+  return expert, nonexpert, kv
+
+
 def memory_budget_bytes(config, devices) -> int:
   if config.mesh.device_memory_gb > 0:
     return int(config.mesh.device_memory_gb * 2**30)
@@ -254,17 +268,16 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   seqs = build_seqs(config, prompts, mode)
 
   # -- workers, memory floor, expert slots
-  devices = list(devices) if devices is not None else mesh_lib.select_devices(
-      config.mesh.num_devices)
+  if devices is None:
+    try:
+      devices = mesh_lib.select_devices(config.mesh.num_devices)
+    except ValueError as err:  # more workers asked for than there are devices
+      raise RolloutError(str(err)) from None
+  devices = list(devices)
   n = len(devices)
   b = r.slots_per_worker
-  itemsize = np.dtype(model_cfg.dtype).itemsize if model_cfg.dtype != "bfloat16" else 2
-  e, d, f, nl = (model_cfg.num_experts, model_cfg.hidden_size, model_cfg.intermediate_size,
-                 model_cfg.num_layers)
-  expert_bytes = 3 * nl * d * f * itemsize
-  nonexpert_bytes = (model_cfg.param_count() - e * expert_bytes // itemsize) * itemsize
-  kv_bytes = 2 * nl * b * config.model.max_seq_len * model_cfg.num_kv_heads * \
-      model_cfg.head_dim * itemsize
+  e = model_cfg.num_experts
+  expert_bytes, nonexpert_bytes, kv_bytes = model_bytes(model_cfg, config)
   budget = memory_budget_bytes(config, devices)
   try:
     floor = planner.floor_workers(e, expert_bytes, nonexpert_bytes, kv_bytes, budget, n)
@@ -281,18 +294,22 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
   # -- placement (host policy)
   workers = list(range(n))
-  predicted = scheduler.predict(history, seqs)
-  if flex:
-    chain = workers
-    queues = scheduler.flexfloor_placement(seqs, predicted, chain, b, floor=floor,
-                                           steps_per_dispatch=r.steps_per_dispatch)
+  chain = workers
+  if flex and config.scheduler.get("placement", "auto") != "static":
+    queues, pred_by_seq, _ = scheduler.flexfloor_schedule(
+        seqs, history, chain, b, floor=floor, steps_per_dispatch=r.steps_per_dispatch,
+        seed=r.epoch)
+    predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
     policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(chain),
                                    compaction=bool(config.scheduler.compaction),
-                                   predicted={s.seq_id: float(p) for s, p in zip(seqs, predicted)})
+                                   predicted=pred_by_seq)
   else:
-    chain = workers
+    predicted = scheduler.predict(history, seqs)
     queues = scheduler.static_placement(seqs, workers)
-    policy = planner.ReleasePolicy(enabled=False, floor=n)
+    # flexfloor with static placement = release alone (no migration, no work stealing).
+    policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else n, chain=list(chain),
+                                   compaction=False, steal=False,
+                                   predicted={s.seq_id: float(p) for s, p in zip(seqs, predicted)})
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
   # -- params (loaded only now: all input checks passed)

@@ -1,0 +1,12 @@
+"""Host-side rollout policy: numpy and stdlib only, never JAX.
+
+workload    synthetic long-tailed response lengths (+ JSONL of lengths)
+controller  the rollout control loop and the Executor protocol the engine implements
+stepsim     a numpy Executor (step simulator) driven by the same controller
+scheduler   length history, prediction, static and FlexFloor placements
+planner     floor, release/compaction policy, expert placement table
+accounting  timeline of a rollout -> the metrics of summary.json, timeline plot
+
+The JAX engine and the cluster simulator both import this package, so what is simulated is what
+runs. Importing it must not pull in jax (tests/test_policy_imports.py checks that).
+"""

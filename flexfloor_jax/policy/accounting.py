@@ -1,0 +1,234 @@
+"""Occupancy accounting: a rollout's Timeline -> the metrics of summary.json (names in DESIGN.md).
+
+Step convention. Steps are the SPMD steps of the rollout (prefill and decode), numbered 0, 1, ... A
+"step count" s means "after s steps". A worker is occupied from its start (step count 0) until its
+release (the step count at which it was released), and takes part in every step in between, so
+  device_steps = sum over steps of active workers = sum over workers of (release - start).
+A worker's local finish is the step count after which it held no sequence any more: one past the
+step where its last sequence finished, or the step count at which its last sequences were migrated
+away (0 for a worker that never got work).
+
+idle_after_finish_fraction = sum_w (release_w - local_finish_w) / sum_w (release_w - start_w), in
+device-steps: the headline, since emulated CPU devices share cores and their seconds mean little.
+The same ratio in wall seconds is idle_after_finish_fraction_seconds. Inside a decode dispatch of k
+steps the wall time of each step is interpolated linearly (the engine only times the dispatch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timeline:
+  """What happened in one rollout; JSON-serialisable (to_dict / from_dict)."""
+  workers: list[int]
+  slots_per_worker: int
+  t_start: float
+  t_end: float | None = None
+  # {'kind': 'prefill'|'decode', 'start': step, 'num_steps', 'active': [...], 'live': [per active
+  #  worker, at the first step], 't0', 't1'}
+  steps: list[dict] = field(default_factory=list)
+  # {'seq_id', 'worker', 'slot', 'num_tokens', 'reason', 'step'}: finished in step index 'step'
+  finishes: list[dict] = field(default_factory=list)
+  # {'step', 'moves': [[sw, ss, dw, ds], ...], 'queue_moves': [[sw, dw, seq_id], ...], 'kv_bytes', 't'}
+  migrations: list[dict] = field(default_factory=list)
+  # {'workers': [...], 'step': step count at the decision, 't', 'stats': {...}, 'final': bool}
+  releases: list[dict] = field(default_factory=list)
+
+  @property
+  def num_steps(self) -> int:
+    return max((r['start'] + r['num_steps'] for r in self.steps), default=0)
+
+  def add_step(self, kind, start, num_steps, active, live, t0, t1):
+    self.steps.append(dict(kind=kind, start=int(start), num_steps=int(num_steps),
+                           active=[int(w) for w in active], live=[int(x) for x in live],
+                           t0=float(t0), t1=float(t1)))
+
+  def add_finish(self, seq_id, worker, slot, num_tokens, reason, step):
+    self.finishes.append(dict(seq_id=int(seq_id), worker=int(worker), slot=int(slot),
+                              num_tokens=int(num_tokens), reason=str(reason), step=int(step)))
+
+  def add_migration(self, step, moves, queue_moves, kv_bytes, t):
+    self.migrations.append(dict(step=int(step), moves=[[int(x) for x in m] for m in moves],
+                                queue_moves=[[int(x) for x in m] for m in queue_moves],
+                                kv_bytes=int(kv_bytes), t=float(t)))
+
+  def add_release(self, workers, step, t, stats=None, final=False):
+    self.releases.append(dict(workers=[int(w) for w in workers], step=int(step), t=float(t),
+                              stats=_jsonable(stats or {}), final=bool(final)))
+
+  def to_dict(self) -> dict:
+    return dict(workers=self.workers, slots_per_worker=self.slots_per_worker, t_start=self.t_start,
+                t_end=self.t_end, steps=self.steps, finishes=self.finishes,
+                migrations=self.migrations, releases=self.releases)
+
+  @classmethod
+  def from_dict(cls, d: dict) -> 'Timeline':
+    return cls(**d)
+
+  def step_end_time(self, step_count: int) -> float:
+    """Wall time at which `step_count` steps were done (interpolated inside a dispatch)."""
+    if step_count <= 0:
+      return self.t_start
+    for r in self.steps:
+      if r['start'] < step_count <= r['start'] + r['num_steps']:
+        frac = (step_count - r['start']) / r['num_steps']
+        return r['t0'] + frac * (r['t1'] - r['t0'])
+    return self.steps[-1]['t1'] if self.steps else self.t_start
+
+
+def _jsonable(x):
+  """Stats from an engine may hold numpy scalars; keep summary.json writable."""
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if hasattr(x, 'item') and callable(x.item) and getattr(x, 'ndim', 1) == 0:
+    return x.item()
+  if hasattr(x, 'tolist'):
+    return x.tolist()
+  return x
+
+
+def worker_timeline(tl: Timeline) -> list[dict]:
+  """Per worker: start, local finish and release, in step counts and seconds."""
+  release = {}
+  for r in tl.releases:
+    for w in r['workers']:
+      if w in release:
+        raise ValueError(f'worker {w} released twice')
+      release[w] = (r['step'], r['t'])
+  finish = {w: 0 for w in tl.workers}
+  tokens = {w: 0 for w in tl.workers}
+  for f in tl.finishes:
+    finish[f['worker']] = max(finish[f['worker']], f['step'] + 1)
+    tokens[f['worker']] += f['num_tokens']
+  for m in tl.migrations:  # a donor's work ends when its sequences leave
+    for sw, *_ in m['moves']:
+      finish[sw] = max(finish[sw], m['step'])
+    for sw, *_ in m['queue_moves']:
+      finish[sw] = max(finish[sw], m['step'])
+  out = []
+  end_step, end_t = tl.num_steps, (tl.t_end if tl.t_end is not None else tl.step_end_time(tl.num_steps))
+  for w in tl.workers:
+    rs, rt = release.get(w, (end_step, end_t))
+    fs = min(finish[w], rs)
+    out.append(dict(worker=w, start_step=0, local_finish_step=fs, release_step=rs,
+                    start_s=0.0, local_finish_s=min(tl.step_end_time(fs), rt) - tl.t_start,
+                    release_s=rt - tl.t_start, tokens=tokens[w]))
+  return out
+
+
+def metrics(tl: Timeline) -> dict:
+  """The summary.json measures of one rollout (see module doc for the definitions)."""
+  pre = [r for r in tl.steps if r['kind'] == 'prefill']
+  dec = [r for r in tl.steps if r['kind'] == 'decode']
+  ds_pre = sum(r['num_steps'] * len(r['active']) for r in pre)
+  ds_dec = sum(r['num_steps'] * len(r['active']) for r in dec)
+  device_steps = ds_pre + ds_dec
+  tokens = sum(f['num_tokens'] for f in tl.finishes)
+  # Every sequence's first token comes from its prefill step: leave those out of the slot
+  # utilisation so that 1.0 means every decode slot of every active worker did work.
+  decode_tokens = tokens - len(tl.finishes)
+  wt = worker_timeline(tl)
+  occ_steps = sum(w['release_step'] - w['start_step'] for w in wt)
+  if occ_steps != device_steps:
+    raise AssertionError(f'occupied steps {occ_steps} != device_steps {device_steps}: '
+                         'a worker was released while still taking part in steps')
+  idle_steps = sum(w['release_step'] - w['local_finish_step'] for w in wt)
+  occ_s = sum(w['release_s'] - w['start_s'] for w in wt)
+  idle_s = sum(w['release_s'] - w['local_finish_s'] for w in wt)
+  wall = ((tl.t_end if tl.t_end is not None else tl.step_end_time(tl.num_steps)) - tl.t_start)
+  slots = tl.slots_per_worker
+  return dict(
+      device_steps=device_steps,
+      device_steps_prefill=ds_pre,
+      device_steps_decode=ds_dec,
+      prefill_steps=sum(r['num_steps'] for r in pre),
+      decode_steps=sum(r['num_steps'] for r in dec),
+      makespan_steps=tl.num_steps,
+      generated_tokens=tokens,
+      num_sequences=len(tl.finishes),
+      tokens_per_device_step=tokens / device_steps if device_steps else 0.0,
+      occupied_device_steps=occ_steps,
+      occupied_device_seconds=occ_s,
+      idle_after_finish_fraction=idle_steps / occ_steps if occ_steps else 0.0,
+      idle_after_finish_fraction_seconds=idle_s / occ_s if occ_s > 0 else 0.0,
+      slot_utilization=decode_tokens / (ds_dec * slots) if ds_dec else 0.0,
+      throughput_tokens_per_s=tokens / wall if wall > 0 else 0.0,
+      generation_wall_s=wall,
+      num_migrations=sum(len(m['moves']) for m in tl.migrations),
+      kv_bytes_migrated=sum(m['kv_bytes'] for m in tl.migrations),
+      workers=wt,
+      releases=[dict(r) for r in tl.releases],
+  )
+
+
+def live_series(tl: Timeline):
+  """(steps, active workers, live sequences) per step, for plots."""
+  n = tl.num_steps
+  active = [0] * n
+  live = [0] * n
+  fin_at = {}
+  for f in tl.finishes:
+    fin_at[f['step']] = fin_at.get(f['step'], 0) + 1
+  for r in tl.steps:
+    cur = sum(r['live'])
+    for i in range(r['start'], r['start'] + r['num_steps']):
+      active[i] = len(r['active'])
+      live[i] = cur
+      cur -= fin_at.get(i, 0)
+  return list(range(n)), active, live
+
+
+def plot_timeline(tl: Timeline, path: str, title: str | None = None) -> str:
+  """Active workers and live sequences over steps, releases marked; atomic write of `path`."""
+  import matplotlib  # lazy: plotting is optional and heavy
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  xs, active, live = live_series(tl)
+  fig, ax = plt.subplots(figsize=(8, 3.5))
+  ax.step(xs, active, where='post', label='active workers', color='tab:blue')
+  ax.set_xlabel('step (prefill + decode)')
+  ax.set_ylabel('active workers')
+  ax.set_ylim(0, len(tl.workers) + 0.5)
+  ax2 = ax.twinx()
+  ax2.step(xs, live, where='post', label='live sequences', color='tab:orange', alpha=0.8)
+  ax2.set_ylabel('live sequences')
+  ax2.set_ylim(0, len(tl.workers) * tl.slots_per_worker + 1)
+  for r in tl.releases:
+    if not r['final']:
+      ax.axvline(r['step'], color='tab:red', lw=0.8, ls='--')
+  ax.set_title(title or 'rollout timeline (dashed: releases)')
+  h1, l1 = ax.get_legend_handles_labels()
+  h2, l2 = ax2.get_legend_handles_labels()
+  ax.legend(h1 + h2, l1 + l2, loc='upper right', fontsize=8)
+  fig.tight_layout()
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'wb') as f:
+      fig.savefig(f, format=os.path.splitext(path)[1][1:] or 'png', dpi=110)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  finally:
+    plt.close(fig)
+  return path
+
+
+def save_timeline(tl: Timeline, path: str) -> None:
+  """JSON dump of a timeline (atomic)."""
+  d = os.path.dirname(os.path.abspath(path))
+  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
+  with os.fdopen(fd, 'w') as f:
+    json.dump(tl.to_dict(), f)
+  os.replace(tmp, path)

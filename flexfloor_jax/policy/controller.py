@@ -1,0 +1,279 @@
+"""The rollout control loop. It decides what runs; an Executor (the JAX engine, or stepsim's numpy
+SimExecutor) runs it. Both are driven by this same code, so the simulator's device_steps equal the
+engine's exactly when lengths are fixed.
+
+Loop, until every sequence has finished:
+  (a) admission: while some active worker has a free slot and a non-empty queue, one prefill step in
+      which each such worker moves its queue head into its lowest free slot;
+  (c) release: the policy may migrate live sequences (and queued ones) and shrink the active set;
+      if it changed anything, back to (a) (moved queues may now be admitted);
+  (b) one decode dispatch of up to `steps_per_dispatch` steps that stops early when a worker with a
+      queue frees a slot (so it refills: continuous batching) or when the policy asks.
+(c) sits after admission so a sequence that finished at prefill can free its worker before the
+next dispatch; it also runs once before the first step, for workers the placement gave nothing.
+
+The controller keeps its own slot table (it knows what it assigned; finishes free slots) and checks
+every Finish against it, so an executor that misbehaves fails loudly instead of skewing metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from flexfloor_jax.policy.accounting import Timeline, metrics as _metrics
+
+
+@dataclass
+class Seq:
+  seq_id: int
+  prompt_id: str
+  sample: int
+  prompt_len: int
+  target_len: int | None  # None = stop at EOS / max_new_tokens
+  max_new_tokens: int
+
+
+@dataclass
+class Finish:
+  seq_id: int
+  worker: int
+  slot: int
+  num_tokens: int  # generated tokens, the prefill's first token included
+  reason: str  # 'length' | 'eos' | 'target'
+
+
+class Executor(Protocol):
+  """What the engine implements. `slots_per_worker` (B) is the same on every worker."""
+  slots_per_worker: int
+
+  def prefill(self, assign: list[tuple[int, int, int]]) -> list[Finish]:
+    """(worker, slot, seq_id), at most one per active worker; one SPMD prefill step on all active
+    workers that also generates each sequence's first token (a target of 1 finishes here)."""
+
+  def decode(self, max_steps: int, stop_on_refill: np.ndarray,
+             stop_on_idle: np.ndarray) -> tuple[int, list[Finish]]:
+    """Up to max_steps decode steps on all active workers. Masks are indexed by position in
+    active_workers(). Stops after the step in which a worker with stop_on_refill had a slot finish,
+    or a worker with stop_on_idle went from some live slot to none, or no live slot is left.
+    Returns (steps run, finishes)."""
+
+  def migrate(self, moves: list[tuple[int, int, int, int]]) -> int:
+    """(src_worker, src_slot, dst_worker, dst_slot) of live sequences; returns KV bytes moved.
+    Sources are live, destinations free, all distinct and no slot is both: the moves commute."""
+
+  def shrink(self, new_active: list[int]) -> dict:
+    """New active set (a tail of the release chain); returns stats (expert bytes, seconds, ...)."""
+
+  def active_workers(self) -> list[int]:
+    ...
+
+
+@dataclass
+class Plan:
+  """A release decision: migrations first, then the new active set."""
+  moves: list[tuple[int, int, int, int]] = field(default_factory=list)
+  queue_moves: list[tuple[int, int, int]] = field(default_factory=list)  # (src_w, dst_w, seq_id)
+  new_active: list[int] | None = None
+
+
+class ReleasePolicyLike(Protocol):
+  enabled: bool
+
+  def stop_masks(self, state: 'State') -> tuple[np.ndarray, np.ndarray]:
+    """(stop_on_finish, stop_on_idle) by position in state.active."""
+
+  def plan(self, state: 'State') -> Plan | None:
+    ...
+
+
+@dataclass
+class State:
+  """What a release policy sees between dispatches (read-only by convention)."""
+  seqs: dict[int, Seq]
+  active: list[int]
+  slots_per_worker: int
+  slots: list[list[int]]  # [worker][slot] seq id, -1 = free (lists: this is the hot path)
+  generated: dict[int, int]  # live seq id -> tokens generated so far
+  queues: dict[int, deque]  # worker -> queued seq ids (FIFO)
+  step: int  # steps done so far
+
+  @property
+  def slot_seq(self) -> np.ndarray:
+    """[num_workers, B] seq id per slot, -1 = free."""
+    return np.asarray(self.slots, np.int64)
+
+  def live(self, w: int) -> list[tuple[int, int]]:
+    """(slot, seq_id) of worker w's live slots."""
+    return [(s, q) for s, q in enumerate(self.slots[w]) if q >= 0]
+
+  def free_slots(self, w: int) -> list[int]:
+    return [s for s, q in enumerate(self.slots[w]) if q < 0]
+
+
+@dataclass
+class RolloutRecord:
+  timeline: Timeline
+  finishes: dict[int, Finish]  # seq id -> its Finish
+  prefill_worker: dict[int, int]  # seq id -> worker that prefilled it
+
+  def metrics(self) -> dict:
+    return _metrics(self.timeline)
+
+
+class ControllerError(RuntimeError):
+  pass
+
+
+def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, policy: ReleasePolicyLike,
+        steps_per_dispatch: int = 8, clock: Callable[[], float] = time.perf_counter,
+        slots_per_worker: int | None = None) -> RolloutRecord:
+  """Generate every sequence; see the module doc for the loop."""
+  if steps_per_dispatch < 1:
+    raise ValueError(f'steps_per_dispatch must be >= 1, got {steps_per_dispatch}')
+  B = int(slots_per_worker or executor.slots_per_worker)
+  workers = list(executor.active_workers())
+  seq_by_id = {s.seq_id: s for s in seqs}
+  if len(seq_by_id) != len(seqs):
+    raise ControllerError('duplicate seq_id in seqs')
+  queued = [q for w in queues for q in queues[w]]
+  if sorted(queued) != sorted(seq_by_id):
+    missing, extra = set(seq_by_id) - set(queued), [q for q in queued if q not in seq_by_id]
+    raise ControllerError(f'queues must hold every seq exactly once: missing {sorted(missing)[:8]}, '
+                          f'unknown {extra[:8]}, {len(queued)} queued for {len(seqs)} seqs')
+  if not set(queues) <= set(workers):
+    raise ControllerError(f'queues for inactive workers {sorted(set(queues) - set(workers))}')
+  st = State(seqs=seq_by_id, active=list(workers), slots_per_worker=B,
+             slots=[[-1] * B for _ in range(max(workers) + 1)], generated={},
+             queues={w: deque(queues.get(w, [])) for w in workers}, step=0)
+  tl = Timeline(workers=sorted(workers), slots_per_worker=B, t_start=clock())
+  done: dict[int, Finish] = {}
+  where: dict[int, tuple[int, int]] = {}  # live seq -> (worker, slot)
+  prefilled_on: dict[int, int] = {}
+
+  def finish(f: Finish, step: int):
+    if f.seq_id not in where or where[f.seq_id] != (f.worker, f.slot):
+      raise ControllerError(f'finish of seq {f.seq_id} at worker {f.worker} slot {f.slot}, '
+                            f'but the controller has it at {where.get(f.seq_id)}')
+    del where[f.seq_id]
+    st.slots[f.worker][f.slot] = -1
+    del st.generated[f.seq_id]
+    done[f.seq_id] = f
+    tl.add_finish(f.seq_id, f.worker, f.slot, f.num_tokens, f.reason, step)
+
+  if policy.enabled:  # workers the placement gave nothing go before the first step
+    _release(st, policy, executor, tl, clock, where)
+  while len(done) < len(seqs):
+    # (a) admission: one prefill step per round while any active worker can take a queued seq
+    while True:
+      assign = []
+      for w in st.active:
+        free = st.free_slots(w)
+        if free and st.queues[w]:
+          assign.append((w, free[0], st.queues[w].popleft()))
+      if not assign:
+        break
+      for w, s, q in assign:
+        st.slots[w][s] = q
+        st.generated[q] = 1
+        where[q] = (w, s)
+        prefilled_on[q] = w
+      t0 = clock()
+      fins = executor.prefill(assign)
+      tl.add_step('prefill', st.step, 1, st.active, [len(st.live(w)) for w in st.active], t0, clock())
+      for f in fins:
+        if f.num_tokens != 1:
+          raise ControllerError(f'prefill finish of seq {f.seq_id} with {f.num_tokens} tokens')
+        finish(f, st.step)
+      st.step += 1
+    if len(done) == len(seqs):
+      break
+    # (c) release, right before the dispatch so it runs on the fewest workers; after a change,
+    # admit again (moved queues) and ask again
+    if policy.enabled and _release(st, policy, executor, tl, clock, where):
+      continue
+    if not where:
+      stuck = {w: list(q) for w, q in st.queues.items() if q}
+      raise ControllerError(f'nothing live, {len(seqs) - len(done)} seqs unfinished; queues {stuck}')
+    # (b) one decode dispatch
+    refill = np.array([bool(st.queues[w]) for w in st.active])
+    if policy.enabled:
+      stop_fin, stop_idle = policy.stop_masks(st)
+    else:
+      stop_fin = stop_idle = np.zeros(len(st.active), bool)
+    live0 = [len(st.live(w)) for w in st.active]
+    t0 = clock()
+    k, fins = executor.decode(steps_per_dispatch, refill | np.asarray(stop_fin, bool),
+                              np.asarray(stop_idle, bool))
+    t1 = clock()
+    if not 1 <= k <= steps_per_dispatch:
+      raise ControllerError(f'decode ran {k} steps, asked for 1..{steps_per_dispatch}')
+    tl.add_step('decode', st.step, k, st.active, live0, t0, t1)
+    for f in fins:
+      g = st.generated.get(f.seq_id)
+      if g is None:
+        raise ControllerError(f'decode finish of seq {f.seq_id} that is not live')
+      at = st.step + (f.num_tokens - g) - 1  # one token per decode step
+      if not st.step <= at < st.step + k:
+        raise ControllerError(f'seq {f.seq_id} finished with {f.num_tokens} tokens; it had {g} '
+                              f'before a dispatch of {k} steps')
+      finish(f, at)
+    for q in st.generated:
+      st.generated[q] += k
+    st.step += k
+
+  tl.t_end = clock()
+  tl.add_release(st.active, st.step, tl.t_end, {}, final=True)
+  return RolloutRecord(timeline=tl, finishes=done, prefill_worker=prefilled_on)
+
+
+def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timeline, clock,
+             where) -> bool:
+  """Carry out the policy's plan; True if anything moved or was released."""
+  plan = policy.plan(st)
+  if plan is None:
+    return False
+  if plan.moves:
+    srcs = [(sw, ss) for sw, ss, _, _ in plan.moves]
+    dsts = [(dw, ds) for _, _, dw, ds in plan.moves]
+    if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
+      raise ControllerError(f'migration reuses a slot: {plan.moves}')
+    for sw, ss, dw, ds in plan.moves:
+      if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
+        raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
+                              'destination free and active')
+    kv = executor.migrate(list(plan.moves))
+    qs = [st.slots[sw][ss] for sw, ss, _, _ in plan.moves]
+    for (sw, ss, dw, ds), q in zip(plan.moves, qs):
+      st.slots[sw][ss] = -1
+    for (sw, ss, dw, ds), q in zip(plan.moves, qs):
+      st.slots[dw][ds] = q
+      where[q] = (dw, ds)
+  else:
+    kv = 0
+  for sw, dw, q in plan.queue_moves:
+    st.queues[sw].remove(q)
+    st.queues[dw].append(q)
+  if plan.moves or plan.queue_moves:
+    tl.add_migration(st.step, plan.moves, plan.queue_moves, kv, clock())
+  new = plan.new_active
+  if new is None or list(new) == st.active:
+    return bool(plan.moves or plan.queue_moves)
+  gone = [w for w in st.active if w not in set(new)]
+  for w in gone:
+    if st.live(w) or st.queues[w]:
+      raise ControllerError(f'release of worker {w} that still holds work')
+  if not set(new) <= set(st.active):
+    raise ControllerError(f'new active set {new} is not a subset of {st.active}')
+  stats = executor.shrink(list(new))
+  st.active = list(executor.active_workers())
+  if sorted(st.active) != sorted(new):
+    raise ControllerError(f'executor active {st.active} after shrink to {new}')
+  for w in gone:
+    del st.queues[w]
+  tl.add_release(gone, st.step, clock(), stats)
+  return True

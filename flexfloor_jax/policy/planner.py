@@ -1,0 +1,380 @@
+"""Release planning: the floor, the release/compaction policy, and the expert placement table.
+
+Chain rule. Executables are compiled ahead of time for the tails of one release chain fixed at
+rollout start (chain[0] is released first), so the active set is always chain[i:]. Only the head of
+the active chain can go. If another worker is idle first, the head's sequences move into free slots
+(into the idle worker: a swap; or, with compaction, into any free slots) and the head goes.
+
+Cost model. Moving work off the head pays when the device-steps it saves exceed the migration cost
+in device-step equivalents: cost = steps_per_migration + steps_per_kv_byte * KV bytes. Savings are
+estimated by `future_device_steps`: each worker's predicted finish (its live remaining tokens and
+queue list-scheduled on B slots), released in chain order, the last `floor` kept to the end. A move
+that would push the predicted completion of the rollout later is never taken. The runner should set
+kv_bytes_per_token to what its migrate() reports and steps_per_kv_byte from
+`kv_cost_steps_per_byte(link bandwidth, step time)`.
+
+Work stealing. Queued (not yet prefilled) seqs carry no KV, so moving one off the worker predicted to
+finish last onto a spare slot is free; it is done when it brings the predicted completion forward.
+
+A ReleasePolicy holds per-rollout state (the chain, its decisions): use a fresh one per rollout.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from flexfloor_jax.policy.controller import Plan, Seq, State
+
+
+class FloorError(ValueError):
+  pass
+
+
+def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
+                  kv_bytes_per_worker: int, device_memory_bytes: int, max_workers: int) -> int:
+  """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV fit on each device."""
+  def need(n):
+    return nonexpert_bytes + math.ceil(num_experts / n) * expert_bytes + kv_bytes_per_worker
+  for n in range(1, max_workers + 1):
+    if need(n) <= device_memory_bytes:
+      return n
+  gib = 2.0**30
+  raise FloorError(
+      f'model does not fit on {max_workers} workers: each needs {need(max_workers) / gib:.2f} GiB '
+      f'(non-expert {nonexpert_bytes / gib:.2f} + {math.ceil(num_experts / max_workers)} of '
+      f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f}) '
+      f'but a device has {device_memory_bytes / gib:.2f} GiB')
+
+
+def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> float:
+  """Device-step equivalents of moving one KV byte: transfer time over one step's time."""
+  return 1.0 / (link_bytes_per_s * step_seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Release policy
+
+def list_schedule_finish(busy: list[float], queue: list[float], slots: int) -> float:
+  """Finish time of a worker: live remaining tokens `busy`, then `queue` FIFO onto free slots."""
+  h = sorted(list(busy) + [0.0] * (slots - len(busy)))
+  for p in queue:
+    heapq.heappush(h, heapq.heappop(h) + p)
+  return max(h) if h else 0.0
+
+
+def future_device_steps(finish: list[float], floor: int) -> float:
+  """Device-steps from now if workers (in chain order) release at their predicted finish but never
+  before the workers ahead of them in the chain, and the last `floor` stay to the end."""
+  r = np.maximum.accumulate(np.asarray(finish, float)) if finish else np.zeros(0)
+  if len(r) and floor > 0:
+    r[-floor:] = r.max()
+  return float(r.sum())
+
+
+@dataclass
+class ReleasePolicy:
+  """When to release workers and when moving sequences makes that possible.
+
+  predicted: seq id -> predicted length (never the actual one); a seq without one gets
+  `prior_len` (default: half its max_new_tokens). A live seq past its prediction is assumed to run
+  halfway to its cap.
+  """
+  enabled: bool = True
+  floor: int = 1
+  chain: list[int] | None = None  # None: the active workers' order at the first decision
+  compaction: bool = True  # move into any free slots, not only into one idle worker
+  swap: bool = True  # chain rule: may move the head's work into an idle worker
+  predicted: dict[int, float] | None = None
+  prior_len: float | None = None
+  kv_bytes_per_token: float = 1.0  # what the engine's migrate() will report per token
+  steps_per_kv_byte: float = 1.0 / 4096  # device-step equivalents per KV byte moved
+  steps_per_migration: float = 1.0  # fixed cost of one migration round (sync, launch)
+  steal: bool = True  # move queued seqs off the critical worker onto spare slots
+  steal_steps_per_step: float = 2.0  # device-steps a steal may add per step of completion gained
+  decisions: list[dict] = field(default_factory=list)  # why each evacuation happened
+
+  def __post_init__(self):
+    if self.floor < 1:
+      raise ValueError(f'floor must be >= 1, got {self.floor}')
+
+  # -- estimates ------------------------------------------------------------------------------
+  def _pred(self, seq: Seq) -> float:
+    if self.predicted is not None and seq.seq_id in self.predicted:
+      return float(self.predicted[seq.seq_id])
+    return float(self.prior_len if self.prior_len is not None else seq.max_new_tokens / 2)
+
+  def remaining(self, seq: Seq, generated: int) -> float:
+    p = min(self._pred(seq), seq.max_new_tokens)
+    if generated < p:
+      return p - generated
+    return max(1.0, (seq.max_new_tokens - generated) / 2)
+
+  def _chain(self, st: State) -> list[int]:
+    if self.chain is None:
+      self.chain = list(st.active)
+    chain = [w for w in self.chain if w in set(st.active)]
+    if len(chain) != len(st.active) or chain != self.chain[len(self.chain) - len(chain):]:
+      raise ValueError(f'active workers {st.active} are not a tail of the chain {self.chain}')
+    return chain
+
+  # -- controller hooks -----------------------------------------------------------------------
+  def stop_masks(self, st: State):
+    n = len(st.active)
+    no = np.zeros(n, bool)
+    if not self.enabled or n <= self.floor:
+      return no, no
+    chain = self._chain(st)
+    head = chain[0]
+    if self.swap or self.compaction:
+      idle = np.ones(n, bool)  # any worker going idle may let the head go
+    else:
+      idle = np.array([w == head for w in st.active])
+    fin = no
+    if self.compaction:
+      need = len(st.live(head))
+      spare = sum(max(0, len(st.free_slots(w)) - len(st.queues[w])) for w in chain[1:])
+      if need <= spare + 1:  # one more finish anywhere could make room for the head's seqs
+        fin = np.ones(n, bool)
+    return fin, idle
+
+  def plan(self, st: State) -> Plan | None:
+    if not self.enabled:
+      return None
+    chain = self._chain(st)
+    B = st.slots_per_worker
+    may_release = len(st.active) > self.floor and self._may_release(st, chain)
+    may_steal = self.steal and self._may_steal(st, chain)
+    if not (may_release or may_steal):
+      return None
+    # working copy: per worker, live [(slot, seq, remaining)] and queue [seq]
+    live = {w: [(s, q, self.remaining(st.seqs[q], st.generated[q])) for s, q in st.live(w)]
+            for w in chain}
+    queue = {w: list(st.queues[w]) for w in chain}
+    free = {w: st.free_slots(w) for w in chain}
+    slot_moves, queue_moves = {}, {}  # seq id -> (sw, ss, dw, ds) / (sw, dw)
+
+    def add_queue_moves(qm):
+      for sw, dw, q in qm:
+        queue_moves[q] = (queue_moves[q][0] if q in queue_moves else sw, dw)
+
+    alive = list(chain)
+    while may_release and len(alive) > self.floor:
+      h = alive[0]
+      if live[h] or queue[h]:
+        if not (self.swap or self.compaction):
+          break
+        ev = self._evacuate(h, alive, live, queue, free, B, st)
+        if ev is None:
+          break
+        for sw, ss, dw, ds, q in ev[0]:  # a seq moved twice in one plan moves once
+          src = slot_moves.pop(q)[:2] if q in slot_moves else (sw, ss)
+          slot_moves[q] = (*src, dw, ds)
+        add_queue_moves(ev[1])
+      alive.pop(0)
+    if self.steal:
+      add_queue_moves(self._steal(alive, live, queue, free, B, st))
+    queue_moves = {q: v for q, v in queue_moves.items() if v[0] != v[1]}
+    if len(alive) == len(chain) and not slot_moves and not queue_moves:
+      return None
+    return Plan(moves=list(slot_moves.values()),
+                queue_moves=[(sw, dw, q) for q, (sw, dw) in queue_moves.items()],
+                new_active=[w for w in st.active if w in set(alive)])
+
+  def _may_steal(self, st: State, chain: list[int]) -> bool:
+    """Some worker has a slot its own queue will not fill while another has seqs waiting."""
+    spare = waiting = False
+    for w in chain:
+      f, q = len(st.free_slots(w)), len(st.queues[w])
+      spare |= f > q
+      waiting |= q > f
+    return spare and waiting
+
+  def _steal(self, alive, live, queue, free, B, st):
+    """Work stealing (queue moves only, no KV): the last queued seq of the worker predicted to
+    finish last moves to a worker with a spare slot, while that lowers the predicted completion
+    time without adding device-steps beyond `steal_steps_per_step` per step gained."""
+    moves = []
+    for _ in range(len(alive) * B):
+      fin = {w: self._finish(w, live, queue, st, B) for w in alive}
+      donors = [w for w in alive if len(queue[w]) > len(free[w])]
+      recips = [w for w in alive if len(free[w]) > len(queue[w])]
+      if not donors or not recips:
+        break
+      d = max(donors, key=lambda w: fin[w])
+      q = queue[d][-1]
+      p = self._pred(st.seqs[q])
+      queue[d].pop()
+      fin_d = self._finish(d, live, queue, st, B)
+      ms0 = max(fin.values())
+      ds0 = future_device_steps([fin[w] for w in alive], self.floor)
+      best = None
+      for r in recips:
+        new = dict(fin)
+        new[d], new[r] = fin_d, self._finish(r, live, queue, st, B, (), [p])
+        ms = max(new.values())
+        ds = future_device_steps([new[w] for w in alive], self.floor)
+        gain = ms0 - ms
+        if gain > 0 and ds - ds0 <= self.steal_steps_per_step * gain:
+          if best is None or (ds, -gain) < best[0]:
+            best = ((ds, -gain), r)
+      if best is None:
+        queue[d].append(q)
+        break
+      queue[best[1]].append(q)
+      moves.append((d, best[1], q))
+    return moves
+
+  def _may_release(self, st: State, chain: list[int]) -> bool:
+    """Cheap necessary condition for plan() to release anything (it runs between all dispatches)."""
+    h = chain[0]
+    need = len(st.live(h))
+    if not need and not st.queues[h]:
+      return True
+    if self.compaction:
+      return need <= sum(max(0, len(st.free_slots(w)) - len(st.queues[w])) for w in chain[1:])
+    if self.swap:
+      B = st.slots_per_worker
+      return any(len(st.free_slots(w)) == B and not st.queues[w] for w in chain[1:])
+    return False
+
+  def _finish(self, w, live, queue, st, B, extra_busy=(), extra_queue=()):
+    busy = [r for _, _, r in live[w]] + list(extra_busy)
+    qs = [self._pred(st.seqs[q]) for q in queue[w]] + list(extra_queue)
+    return list_schedule_finish(busy, qs, B)
+
+  def _evacuate(self, h, alive, live, queue, free, B, st):
+    """Moves that empty the head, if they save more than they cost; applied to the working copy."""
+    others = alive[1:]
+    fin = {w: self._finish(w, live, queue, st, B) for w in alive}
+    # slots a worker's own queue will fill at the next admission are not spare
+    spare = {w: free[w][len(queue[w]):] for w in others}
+    if not self.compaction:  # swap only: one fully idle worker takes everything
+      idle = [w for w in others if len(free[w]) == B and not queue[w]]
+      if not idle:
+        return None
+      spare = {idle[-1]: spare[idle[-1]]}
+    add_busy = {w: [] for w in spare}
+    add_q = {w: [] for w in spare}
+    moves, kv = [], 0.0
+    for s, q, r in sorted(live[h], key=lambda x: -x[2]):
+      cands = [w for w in spare if spare[w]]
+      if not cands:
+        return None
+      # least growth of the recipient's predicted finish; ties -> latest in chain (lives longest)
+      def growth(w):
+        return (self._finish(w, live, queue, st, B, add_busy[w] + [r], add_q[w]) - fin[w],
+                -alive.index(w))
+      w = min(cands, key=growth)
+      moves.append((h, s, w, spare[w].pop(0), q, r))
+      add_busy[w].append(r)
+      kv += (st.seqs[q].prompt_len + st.generated[q]) * self.kv_bytes_per_token
+    qmoves = []
+    for q in queue[h]:
+      p = self._pred(st.seqs[q])
+      w = min(spare, key=lambda w: (self._finish(w, live, queue, st, B, add_busy[w],
+                                                 add_q[w] + [p]), -alive.index(w)))
+      qmoves.append((h, w, q))
+      add_q[w].append(p)
+    new_fin = [self._finish(w, live, queue, st, B, add_busy.get(w, []), add_q.get(w, []))
+               for w in others]
+    if max(new_fin) > max(fin.values()) + 1e-9:
+      return None  # never trade completion time for device-steps
+    before = future_device_steps([fin[w] for w in alive], self.floor)
+    after = future_device_steps(new_fin, self.floor)
+    saved = before - after
+    cost = (self.steps_per_migration if moves else 0.0) + self.steps_per_kv_byte * kv
+    if saved <= cost:
+      return None
+    self.decisions.append(dict(step=st.step, head=h, moves=len(moves), queued=len(qmoves),
+                               saved=saved, cost=cost))
+    for _, s, w, ds, q, r in moves:
+      live[w].append((ds, q, r))
+      free[w].remove(ds)
+    for _, w, q in qmoves:
+      queue[w].append(q)
+    live[h], queue[h] = [], []
+    return [(a, b, c, d, q) for a, b, c, d, q, _ in moves], qmoves
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert placement
+
+@dataclass
+class ExpertPlacement:
+  """expert -> list of (worker, slot) replicas over N workers x S preallocated slots each.
+
+  Replica 0 is the one tokens are routed to; with one replica per expert (today) the arrays below
+  mean exactly "where the expert lives". More replicas can be appended to a list later without
+  changing `slot_expert` / `expert_to_slot`.
+  """
+  num_workers: int
+  slots: int
+  replicas: list[list[tuple[int, int]]]
+
+  @property
+  def num_experts(self) -> int:
+    return len(self.replicas)
+
+  @classmethod
+  def initial(cls, num_experts: int, workers: list[int], slots: int,
+              num_workers: int | None = None) -> 'ExpertPlacement':
+    """Contiguous blocks of ceil(E/n) experts per worker, in the order of `workers`."""
+    n = len(workers)
+    per = math.ceil(num_experts / n)
+    if per > slots:
+      raise FloorError(f'{num_experts} experts need {per} slots on each of {n} workers; '
+                       f'only {slots} are preallocated')
+    reps = [[(int(workers[e // per]), e % per)] for e in range(num_experts)]
+    return cls(num_workers=num_workers or (max(workers) + 1), slots=slots, replicas=reps)
+
+  def workers_of(self, e: int) -> list[int]:
+    return [w for w, _ in self.replicas[e]]
+
+  def slot_expert(self) -> np.ndarray:
+    """[N, S] expert id held in each slot, -1 = empty."""
+    t = np.full((self.num_workers, self.slots), -1, np.int64)
+    for e, reps in enumerate(self.replicas):
+      for w, s in reps:
+        t[w, s] = e
+    return t
+
+  def expert_to_slot(self, active: list[int]) -> np.ndarray:
+    """[E] global slot id (position of worker in `active` * S + slot) of each expert's replica 0."""
+    pos = {w: i for i, w in enumerate(active)}
+    out = np.empty(self.num_experts, np.int64)
+    for e, reps in enumerate(self.replicas):
+      w, s = reps[0]
+      if w not in pos:
+        raise ValueError(f'expert {e} lives on worker {w}, which is not active {active}')
+      out[e] = pos[w] * self.slots + s
+    return out
+
+  def after_release(self, released: list[int], survivors: list[int]) -> 'ExpertPlacement':
+    """Move only the replicas that lived on released workers, each into an empty slot of the
+    survivor that holds the fewest experts (ties: first in `survivors`); all others stay put."""
+    gone = set(released)
+    if gone & set(survivors):
+      raise ValueError(f'workers {sorted(gone & set(survivors))} both released and surviving')
+    table = self.slot_expert()
+    load = {w: int((table[w] >= 0).sum()) for w in survivors}
+    reps = [list(r) for r in self.replicas]
+    homeless = [(e, i) for e, r in enumerate(reps) for i, (w, _) in enumerate(r) if w in gone]
+    if sum(self.slots - load[w] for w in survivors) < len(homeless):
+      raise FloorError(f'{len(survivors)} survivors x {self.slots} slots cannot hold '
+                       f'{self.num_experts} experts: releasing {sorted(gone)} goes below the floor')
+    for e, i in homeless:
+      w = min(survivors, key=lambda v: (load[v], survivors.index(v)))
+      s = int(np.flatnonzero(table[w] < 0)[0])
+      table[w, s] = e
+      load[w] += 1
+      reps[e][i] = (int(w), s)
+    return ExpertPlacement(num_workers=self.num_workers, slots=self.slots, replicas=reps)
+
+  def moves_since(self, old: 'ExpertPlacement') -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+    """(expert, (src worker, slot), (dst worker, slot)) of replicas that moved."""
+    return [(e, a, b) for e in range(self.num_experts)
+            for a, b in zip(old.replicas[e], self.replicas[e]) if a != b]

@@ -1,0 +1,206 @@
+"""Numpy step simulator: an Executor that knows every sequence's length (EOS not modelled).
+
+Driven by the same controller as the engine, so with the same lengths it runs the same steps. A
+dispatch is advanced in one jump to the first step where a stop condition fires (no per-step Python
+loop unless a cost model needs per-step live counts), which keeps whole-rollout simulation in the
+sub-millisecond range and lets the scheduler evaluate candidate placements by simulating them.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+
+from flexfloor_jax.policy.controller import Finish, Seq, run
+
+
+class SimError(RuntimeError):
+  pass
+
+
+class SimExecutor:
+  """Executor over N workers x B slots.
+
+  lengths: seq id -> response length (default: each seq's target_len); clipped to max_new_tokens.
+  step_cost(kind, num_active, live_slots) -> seconds per step, for simulated wall time (`clock`).
+  migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
+  expert_placement: a planner.ExpertPlacement to report expert moves on shrink.
+  """
+
+  def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,
+               lengths: Mapping[int, int] | None = None, *,
+               step_cost: Callable[[str, int, int], float] | None = None,
+               kv_bytes_per_token: int = 1, migrate_cost: Callable[[int], float] | None = None,
+               expert_placement=None, expert_bytes: int = 0,
+               shrink_cost: Callable[[int], float] | None = None):
+    self.seqs = {s.seq_id: s for s in seqs}
+    self.slots_per_worker = B = int(slots_per_worker)
+    self.num_workers = N = int(num_workers)
+    self.length = {}
+    for q, s in self.seqs.items():
+      L = s.target_len if lengths is None else lengths[q]
+      if L is None:
+        raise SimError(f'seq {q} has no target_len and no length was given')
+      self.length[q] = int(min(max(int(L), 1), s.max_new_tokens))
+    # per worker, per slot: seq id (-1 free), tokens still to generate, tokens generated.
+    # Plain lists: with N x B ~ 32 slots, numpy's per-call overhead would dominate.
+    self.slot_seq = [[-1] * B for _ in range(N)]
+    self.remaining = [[0] * B for _ in range(N)]
+    self.generated = [[0] * B for _ in range(N)]
+    self._active = list(range(N))
+    self.step_cost, self.migrate_cost, self.shrink_cost = step_cost, migrate_cost, shrink_cost
+    self.kv_bytes_per_token = kv_bytes_per_token
+    self.placement, self.expert_bytes = expert_placement, expert_bytes
+    self.t = 0.0
+    self.steps = 0
+
+  def clock(self) -> float:
+    return self.t
+
+  def active_workers(self) -> list[int]:
+    return list(self._active)
+
+  def _reason(self, q: int) -> str:
+    s = self.seqs[q]
+    if s.target_len is not None and self.length[q] == min(s.target_len, s.max_new_tokens):
+      return 'target'
+    return 'length' if self.length[q] >= s.max_new_tokens else 'eos'
+
+  def _live_slots(self) -> int:
+    return sum(q >= 0 for w in self._active for q in self.slot_seq[w])
+
+  def prefill(self, assign):
+    ws = [w for w, _, _ in assign]
+    if len(set(ws)) != len(ws) or not set(ws) <= set(self._active):
+      raise SimError(f'prefill needs at most one seq per active worker: {assign}')
+    out = []
+    for w, s, q in assign:
+      if self.slot_seq[w][s] >= 0:
+        raise SimError(f'prefill into busy slot {(w, s)}')
+      self.slot_seq[w][s] = q
+      self.generated[w][s] = 1
+      self.remaining[w][s] = self.length[q] - 1
+      if self.remaining[w][s] == 0:
+        out.append(Finish(q, w, s, 1, self._reason(q)))
+        self.slot_seq[w][s] = -1
+    self.steps += 1
+    if self.step_cost is not None:
+      self.t += float(self.step_cost('prefill', len(self._active), self._live_slots() + len(out)))
+    return out
+
+  def decode(self, max_steps, stop_on_refill, stop_on_idle):
+    k = int(max_steps)
+    any_live = False
+    for i, w in enumerate(self._active):
+      rem = [r for q, r in zip(self.slot_seq[w], self.remaining[w]) if q >= 0]
+      if not rem:
+        continue
+      any_live = True
+      if stop_on_refill[i]:
+        k = min(k, min(rem))  # a slot of w frees after min(rem) steps
+      if stop_on_idle[i]:
+        k = min(k, max(rem))  # w goes idle after max(rem) steps
+    if not any_live:
+      return 0, []
+    k = min(k, max(r for w in self._active for q, r in zip(self.slot_seq[w], self.remaining[w])
+                   if q >= 0))
+    if self.step_cost is not None:
+      rems = [r for w in self._active for q, r in zip(self.slot_seq[w], self.remaining[w]) if q >= 0]
+      for j in range(k):
+        self.t += float(self.step_cost('decode', len(self._active), sum(r > j for r in rems)))
+    self.steps += k
+    out = []
+    for w in self._active:
+      row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
+      for s, q in enumerate(row):
+        if q < 0:
+          continue
+        if rem[s] <= k:
+          out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
+          row[s], rem[s] = -1, 0
+        else:
+          rem[s] -= k
+          gen[s] += k
+    return k, out
+
+  def migrate(self, moves):
+    total = 0
+    for sw, ss, dw, ds in moves:
+      q = self.slot_seq[sw][ss]
+      if q < 0 or self.slot_seq[dw][ds] >= 0 or dw not in self._active:
+        raise SimError(f'bad migration {(sw, ss, dw, ds)}')
+      total += (self.seqs[q].prompt_len + self.generated[sw][ss]) * self.kv_bytes_per_token
+      for a in (self.slot_seq, self.remaining, self.generated):
+        a[dw][ds] = a[sw][ss]
+      self.slot_seq[sw][ss] = -1
+    if self.migrate_cost is not None:
+      self.t += float(self.migrate_cost(total))
+    return int(total)
+
+  def shrink(self, new_active):
+    gone = [w for w in self._active if w not in set(new_active)]
+    if not set(new_active) <= set(self._active) or not new_active:
+      raise SimError(f'shrink to {new_active} from {self._active}')
+    if any(q >= 0 for w in gone for q in self.slot_seq[w]):
+      raise SimError(f'shrink releases live slots on {gone}')
+    stats = dict(released=gone, expert_moves=0, expert_bytes_moved=0, seconds=0.0)
+    if self.placement is not None:
+      new = self.placement.after_release(gone, list(new_active))
+      n = len(new.moves_since(self.placement))
+      self.placement = new
+      stats.update(expert_moves=n, expert_bytes_moved=n * self.expert_bytes)
+    if self.shrink_cost is not None:
+      stats['seconds'] = float(self.shrink_cost(stats['expert_moves']))
+      self.t += stats['seconds']
+    self._active = [w for w in self._active if w in set(new_active)]
+    return stats
+
+
+def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
+             policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
+             return_record: bool = False, **executor_kw):
+  """One simulated rollout -> accounting metrics (and the RolloutRecord if asked)."""
+  ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, **executor_kw)
+  clock = ex.clock if executor_kw.get('step_cost') else _step_clock(ex)
+  rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock)
+  m = rec.metrics()
+  return (m, rec) if return_record else m
+
+
+def _step_clock(ex: SimExecutor):
+  """Without a cost model one step = one second, so seconds-based metrics mirror steps."""
+  return lambda: float(ex.steps)
+
+
+def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4, floor: int = 1,
+                   steps_per_dispatch: int = 8, num_scenarios: int = 8,
+                   policy_kw: dict | None = None) -> list[dict]:
+  """Static vs release-only vs FlexFloor on a synthetic workload, epoch after epoch (the length
+  history of epochs 0..e-1 drives epoch e). Per epoch: the three metric dicts and the
+  prediction quality."""
+  from flexfloor_jax.policy import planner, scheduler, workload  # they import this module lazily
+  workers = list(range(num_workers))
+  hist = scheduler.LengthHistory()
+  out = []
+  for e in range(max(epochs) + 1):
+    seqs = workload.make_seqs(spec, e)
+    actual = {s.seq_id: s.target_len for s in seqs}
+    if e in epochs:
+      static_q = scheduler.static_placement(seqs, workers)
+      args = (num_workers, slots_per_worker, steps_per_dispatch)
+      st = simulate(seqs, None, static_q, planner.ReleasePolicy(enabled=False), *args)
+      ro = simulate(seqs, None, static_q,
+                    planner.ReleasePolicy(floor=floor, compaction=False, steal=False), *args)
+      queues, pred, info = scheduler.flexfloor_schedule(
+          seqs, hist, workers, slots_per_worker, floor=floor,
+          steps_per_dispatch=steps_per_dispatch, num_scenarios=num_scenarios, seed=e,
+          policy_kw=policy_kw)
+      ff = simulate(seqs, None, queues, planner.ReleasePolicy(
+          floor=floor, chain=workers, predicted=pred, **(policy_kw or {})), *args)
+      pq = scheduler.prediction_quality([pred[s.seq_id] for s in seqs],
+                                        [actual[s.seq_id] for s in seqs])
+      out.append(dict(epoch=e, static=st, release_only=ro, flexfloor=ff, prediction=pq,
+                      placement=info))
+    hist.add_rollout(e, seqs, actual)
+  return out

@@ -1,0 +1,174 @@
+"""Synthetic long-tailed response lengths, and JSONL files of lengths.
+
+length[p, s] at epoch e = clip(round(median * exp(sigma*z_p + epoch_noise*u_pe + sample_noise*v_pse)),
+                               min_len, cap)
+z_p depends on `seed` alone, so a prompt's mean is the same in every epoch (what makes history-based
+prediction meaningful); u, v are fresh per epoch. The cap is max_new_tokens: the tail piles up there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, replace
+from statistics import NormalDist
+
+import numpy as np
+
+from flexfloor_jax.policy.controller import Seq
+
+# Defaults. Fixed by hand: the rollout shape (configs/mixtral.py tiny: 8 workers x 4 slots,
+# 8 prompts x 8 samples, max_new_tokens 256 = cap), the median (cap = 4 x median, so only the far
+# tail is capped), and the noise levels: small enough that a prompt's history predicts its samples
+# (Spearman >= 0.8 by epoch 3), large enough that the samples of one group differ as in GRPO.
+# DEFAULT_SIGMA was then set by `calibrate_sigma()` (stepsim, static baseline, epochs 0-7, seed 0,
+# grid step 0.01): the sigma whose mean static idle_after_finish_fraction is nearest 0.33 (paper,
+# verl); it gives 0.333.
+DEFAULT_NUM_PROMPTS = 8
+DEFAULT_SAMPLES_PER_PROMPT = 8
+DEFAULT_MEDIAN = 64
+DEFAULT_CAP = 256
+DEFAULT_EPOCH_NOISE = 0.1
+DEFAULT_SAMPLE_NOISE = 0.25
+DEFAULT_SIGMA = 0.36
+DEFAULT_WORKERS = 8
+DEFAULT_SLOTS_PER_WORKER = 4
+DEFAULT_STEPS_PER_DISPATCH = 8
+IDLE_TARGET = 0.33
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+  num_prompts: int = DEFAULT_NUM_PROMPTS
+  samples_per_prompt: int = DEFAULT_SAMPLES_PER_PROMPT
+  seed: int = 0
+  sigma: float = DEFAULT_SIGMA  # lognormal sigma of per-prompt mean lengths
+  epoch_noise: float = DEFAULT_EPOCH_NOISE  # sigma of a prompt's per-epoch multiplicative noise
+  sample_noise: float = DEFAULT_SAMPLE_NOISE  # sigma of per-sample multiplicative noise
+  median: float = DEFAULT_MEDIAN
+  cap: int = DEFAULT_CAP  # = max_new_tokens
+  min_len: int = 1
+
+
+def prompt_ids(spec: WorkloadSpec) -> list[str]:
+  return [f'p{i:04d}' for i in range(spec.num_prompts)]
+
+
+def prompt_z(spec: WorkloadSpec) -> np.ndarray:
+  """Per-prompt standard-normal scores: the P stratified quantiles of N(0, 1), shuffled by seed.
+  Stratified rather than drawn, so that a small batch (8 prompts) spans the distribution that
+  sigma describes instead of whatever spread one seed happens to draw."""
+  nd = NormalDist()
+  q = np.array([nd.inv_cdf((i + 0.5) / spec.num_prompts) for i in range(spec.num_prompts)])
+  return np.random.default_rng([spec.seed, 0]).permutation(q)
+
+
+def lengths(spec: WorkloadSpec, epoch: int) -> np.ndarray:
+  """int array [num_prompts, samples_per_prompt], deterministic in (spec, epoch)."""
+  if epoch < 0:
+    raise ValueError(f'epoch must be >= 0, got {epoch}')
+  z = prompt_z(spec)
+  rng = np.random.default_rng([spec.seed, 1, epoch])
+  u = rng.standard_normal((spec.num_prompts, 1))
+  v = rng.standard_normal((spec.num_prompts, spec.samples_per_prompt))
+  x = spec.median * np.exp(spec.sigma * z[:, None] + spec.epoch_noise * u + spec.sample_noise * v)
+  return np.clip(np.rint(x), spec.min_len, spec.cap).astype(np.int64)
+
+
+def make_seqs(spec: WorkloadSpec, epoch: int | None = None, prompt_len: int = 16,
+              with_targets: bool = True) -> list[Seq]:
+  """The batch in verl order (each prompt's samples adjacent); targets from `lengths` if asked."""
+  L = lengths(spec, epoch) if with_targets else None
+  out = []
+  for p, pid in enumerate(prompt_ids(spec)):
+    for s in range(spec.samples_per_prompt):
+      out.append(Seq(seq_id=p * spec.samples_per_prompt + s, prompt_id=pid, sample=s,
+                     prompt_len=prompt_len, target_len=int(L[p, s]) if with_targets else None,
+                     max_new_tokens=spec.cap))
+  return out
+
+
+def static_idle(spec: WorkloadSpec, epochs=range(8), num_workers: int = DEFAULT_WORKERS,
+                slots_per_worker: int = DEFAULT_SLOTS_PER_WORKER,
+                steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
+  """Static-baseline idle_after_finish_fraction per epoch (stepsim)."""
+  from flexfloor_jax.policy import planner, scheduler, stepsim  # avoid an import cycle
+  out = []
+  for e in epochs:
+    seqs = make_seqs(spec, e)
+    q = scheduler.static_placement(seqs, list(range(num_workers)))
+    m = stepsim.simulate(seqs, None, q, planner.ReleasePolicy(enabled=False), num_workers,
+                         slots_per_worker, steps_per_dispatch)
+    out.append(m['idle_after_finish_fraction'])
+  return np.asarray(out)
+
+
+def calibrate_sigma(target: float = IDLE_TARGET, spec: WorkloadSpec | None = None,
+                    epochs=range(8), num_workers: int = DEFAULT_WORKERS,
+                    slots_per_worker: int = DEFAULT_SLOTS_PER_WORKER,
+                    grid=np.round(np.arange(0.05, 1.2001, 0.01), 3)) -> tuple[float, float]:
+  """The grid sigma whose mean static idle fraction over `epochs` is nearest `target`.
+  A grid, not bisection: with few prompts idle(sigma) is not monotone. Returns (sigma, idle)."""
+  spec = spec or WorkloadSpec()
+  best = None
+  for s in grid:
+    idle = float(static_idle(replace(spec, sigma=float(s)), epochs, num_workers,
+                             slots_per_worker).mean())
+    if best is None or abs(idle - target) < abs(best[1] - target):
+      best = (float(s), idle)
+  return best
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL: one {"id": prompt id, "sample": int, "length": int} per line
+
+def write_lengths_jsonl(path: str, rows) -> None:
+  """rows: iterable of (prompt_id, sample, length); atomic write."""
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
+  try:
+    with os.fdopen(fd, 'w') as f:
+      for pid, s, n in rows:
+        f.write(json.dumps({'id': str(pid), 'sample': int(s), 'length': int(n)}) + '\n')
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def lengths_rows(spec: WorkloadSpec, epoch: int):
+  L = lengths(spec, epoch)
+  return [(pid, s, int(L[p, s])) for p, pid in enumerate(prompt_ids(spec))
+          for s in range(spec.samples_per_prompt)]
+
+
+def read_lengths_jsonl(path: str) -> dict[tuple[str, int], int]:
+  """{(prompt id, sample): length}; errors name the file and line."""
+  out = {}
+  try:
+    f = open(path)
+  except OSError as e:
+    raise ValueError(f'{path}: cannot read lengths file: {e}') from e
+  with f:
+    for i, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        r = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f'{path}:{i}: not JSON: {e.msg}') from None
+      if not isinstance(r, dict) or not {'id', 'sample', 'length'} <= set(r):
+        raise ValueError(f'{path}:{i}: need keys "id", "sample", "length", got {line.strip()[:80]}')
+      s, n = r['sample'], r['length']
+      if (not isinstance(s, int) or not isinstance(n, int) or isinstance(s, bool)
+          or isinstance(n, bool) or s < 0 or n < 1):
+        raise ValueError(f'{path}:{i}: "sample" must be an int >= 0 and "length" an int >= 1, '
+                         f'got sample={s!r} length={n!r}')
+      key = (str(r['id']), s)
+      if key in out:
+        raise ValueError(f'{path}:{i}: duplicate (id, sample) {key}')
+      out[key] = n
+  return out

@@ -1,0 +1,43 @@
+"""policy/ is host-side numpy: importing it must not pull in jax/flax or the rest of the package."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+POLICY = ROOT / 'flexfloor_jax' / 'policy'
+MODULES = ['workload', 'accounting', 'controller', 'scheduler', 'planner', 'stepsim']
+
+
+def test_import_does_not_load_jax():
+  code = ('import sys\n'
+          + ''.join(f'import flexfloor_jax.policy.{m}\n' for m in MODULES)
+          + 'bad = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "jaxlib"))\n'
+          + 'others = sorted(m for m in sys.modules if m.startswith("flexfloor_jax.")'
+          + ' and not m.startswith("flexfloor_jax.policy"))\n'
+          + 'print(bad, others)\n'
+          + 'assert not bad and not others, (bad, others)\n')
+  r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_sources_import_only_numpy_stdlib_and_policy():
+  allowed_third_party = {'numpy', 'matplotlib'}
+  stdlib = set(sys.stdlib_module_names)
+  for path in POLICY.glob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or '']
+      else:
+        continue
+      for n in names:
+        top = n.split('.')[0]
+        if top == 'flexfloor_jax':
+          assert n.startswith('flexfloor_jax.policy'), f'{path.name} imports {n}'
+        else:
+          assert top in stdlib or top in allowed_third_party or top == '__future__', \
+              f'{path.name} imports {n}'

@@ -1,0 +1,161 @@
+"""Static placement, length history (atomic, loud on corruption), prediction, FlexFloor placement."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from flexfloor_jax.policy import planner, scheduler, stepsim, workload
+from flexfloor_jax.policy.controller import run
+from flexfloor_jax.policy.scheduler import HistoryError, LengthHistory
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_static_placement_is_contiguous_chunks():
+  seqs = workload.make_seqs(workload.WorkloadSpec(), 0)
+  q = scheduler.static_placement(seqs, list(range(8)))
+  assert q[0] == list(range(8)) and q[7] == list(range(56, 64))
+  assert all(len({seqs[i].prompt_id for i in v}) == 1 for v in q.values())  # a group per worker
+  q = scheduler.static_placement(seqs[:10], [0, 1, 2])
+  assert [len(v) for v in q.values()] == [4, 3, 3] and sum(q.values(), []) == list(range(10))
+
+
+def test_history_roundtrip(tmp_path):
+  p = str(tmp_path / 'h.json')
+  assert len(LengthHistory.load(p)) == 0  # missing file: empty history
+  h = LengthHistory()
+  h.add('a', 0, [3, 4])
+  h.add('a', 2, [5])
+  h.add('b', 1, [7])
+  h.save(p)
+  h2 = LengthHistory.load(p)
+  assert h2.data == {'a': {0: [3, 4], 2: [5]}, 'b': {1: [7]}}
+  doc = json.load(open(p))
+  assert doc['format'] == scheduler.HISTORY_FORMAT and doc['version'] == scheduler.HISTORY_VERSION
+  assert os.listdir(tmp_path) == ['h.json']
+
+
+@pytest.mark.parametrize('content, match', [
+    ('{"format": "flexfloor_jax.length_history", "version": 1, "prom', 'corrupt'),
+    (b'\xff\xfe\x00', 'corrupt'),
+    ('{"hello": 1}', 'not a flexfloor_jax length history'),
+    ('[1, 2]', 'not a flexfloor_jax length history'),
+    ('{"format": "flexfloor_jax.length_history", "version": 99, "prompts": {}}', 'version 99'),
+    ('{"format": "flexfloor_jax.length_history", "version": 1, "prompts": {"a": 3}}', 'malformed'),
+])
+def test_corrupt_history_names_path(tmp_path, content, match):
+  p = tmp_path / 'hist.json'
+  p.write_bytes(content if isinstance(content, bytes) else content.encode())
+  with pytest.raises(HistoryError, match=match) as e:
+    LengthHistory.load(str(p))
+  assert str(p) in str(e.value)
+
+
+def test_history_save_is_crash_safe(tmp_path):
+  p = str(tmp_path / 'hist.json')
+  old = LengthHistory()
+  old.add('a', 0, [1, 2, 3])
+  old.save(p)
+  # A child process starts saving a much bigger history and is SIGKILLed mid-save (after the
+  # data went to the temp file, before the rename): the old file must be intact.
+  child = textwrap.dedent(f'''
+      import os, sys, time
+      sys.path.insert(0, {ROOT!r})
+      from flexfloor_jax.policy.scheduler import LengthHistory
+      def slow_fsync(fd):
+        print('writing', flush=True)
+        time.sleep(60)
+      os.fsync = slow_fsync
+      h = LengthHistory.load({p!r})
+      for i in range(1000):
+        h.add(f'p{{i}}', 1, list(range(50)))
+      h.save({p!r})
+  ''')
+  proc = subprocess.Popen([sys.executable, '-c', child], stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == 'writing'
+    os.kill(proc.pid, signal.SIGKILL)
+  finally:
+    proc.wait(timeout=30)
+  assert LengthHistory.load(p).data == {'a': {0: [1, 2, 3]}}
+  # and a completed save replaces it
+  new = LengthHistory.load(p)
+  new.add('b', 1, [9])
+  new.save(p)
+  assert LengthHistory.load(p).data == {'a': {0: [1, 2, 3]}, 'b': {1: [9]}}
+
+
+def test_prediction_quality_by_hand():
+  # ranks: pred [1, 2.5, 2.5, 4], actual [1, 3, 2, 4]; centred: [-1.5, 0, 0, 1.5] and
+  # [-1.5, .5, -.5, 1.5]; spearman = 4.5 / sqrt(4.5 * 5)
+  q = scheduler.prediction_quality([1, 2, 2, 3], [1, 3, 2, 4])
+  assert q['spearman'] == pytest.approx(4.5 / np.sqrt(22.5))
+  assert q['mae'] == pytest.approx(0.5)
+  assert scheduler.prediction_quality([5, 5, 5], [1, 2, 3])['spearman'] == 0.0
+
+
+def test_prediction_converges_on_default_workload():
+  spec = workload.WorkloadSpec()
+  h = LengthHistory()
+  sp = []
+  for e in range(4):
+    seqs = workload.make_seqs(spec, e)
+    actual = [s.target_len for s in seqs]
+    sp.append(scheduler.prediction_quality(scheduler.predict(h, seqs), actual)['spearman'])
+    h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
+  assert sp[0] == 0.0  # no history: one prior for everybody
+  assert sp[3] >= 0.8, sp
+
+
+def test_predict_unseen_prompt_uses_prior():
+  h = LengthHistory()
+  h.add('seen', 0, [10, 20, 30, 40])
+  seqs = [workload.Seq(0, 'seen', 0, 4, None, 100), workload.Seq(1, 'new', 0, 4, None, 100)]
+  p = scheduler.predict(h, seqs)
+  assert p[0] == pytest.approx(np.quantile([10, 20, 30, 40], 0.75))
+  assert p[1] == pytest.approx(25.0)  # global median
+  assert scheduler.predict(h, seqs, prior=7.0)[1] == 7.0
+  assert scheduler.predict(LengthHistory(), seqs)[0] == 50.0  # nothing known: half the cap
+
+
+@pytest.mark.parametrize('epoch', [1, 3])
+def test_flexfloor_placement_replays_within_capacity(epoch):
+  spec = workload.WorkloadSpec()
+  h = LengthHistory()
+  for e in range(epoch):
+    s = workload.make_seqs(spec, e)
+    h.add_rollout(e, s, {x.seq_id: x.target_len for x in s})
+  seqs = workload.make_seqs(spec, epoch)
+  chain = [2, 0, 1, 3, 7, 4, 5, 6]
+  queues, pred, info = scheduler.flexfloor_schedule(seqs, h, chain, 4, num_scenarios=3, seed=epoch)
+  assert sorted(sum(queues.values(), [])) == [s.seq_id for s in seqs]
+  assert set(queues) <= set(chain)
+
+  class Checked(stepsim.SimExecutor):
+    def prefill(self, assign):
+      out = super().prefill(assign)
+      assert all(sum(q >= 0 for q in self.slot_seq[w]) <= 4 for w in self._active)
+      return out
+
+  ex = Checked(seqs, 8, 4)  # actual lengths, not the predicted ones
+  rec = run(seqs, queues, ex, planner.ReleasePolicy(chain=chain, predicted=pred), 8)
+  assert len(rec.finishes) == len(seqs)
+  assert info['predicted_makespan'] <= info['static_predicted_makespan'] + 1e-9
+
+
+def test_flexfloor_puts_long_on_tail():
+  spec = workload.WorkloadSpec()
+  seqs = workload.make_seqs(spec, 0)
+  pred = np.array([s.target_len for s in seqs], float)  # oracle predictions
+  chain = list(range(8))
+  q = scheduler.flexfloor_placement(seqs, pred, chain, 4)
+  mean = lambda w: np.mean([pred[i] for i in q[w]]) if q[w] else 0.0
+  assert mean(chain[-1]) > mean(chain[0])
+  for w in chain:  # longest predicted first within a worker
+    assert [pred[i] for i in q[w]] == sorted([pred[i] for i in q[w]], reverse=True)
