@@ -1,0 +1,208 @@
+"""Elastic expert parallelism: releases happen, change no token, move only what they must."""
+
+import importlib.util
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax import runner
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.policy import planner
+from flexfloor_jax.sampling import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+MODEL = PRESETS["tiny"].replace(num_layers=2)
+
+
+def get_config():
+  spec = importlib.util.spec_from_file_location("mixtral_cfg", os.path.join(ROOT, "configs",
+                                                                            "mixtral.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config("tiny")
+  c.rollout.num_prompts = 4
+  c.rollout.samples_per_prompt = 4
+  c.rollout.max_new_tokens = 32
+  c.rollout.slots_per_worker = 2
+  c.rollout.steps_per_dispatch = 4
+  c.rollout.wait_compiles = True
+  c.model.max_seq_len = 96
+  c.sampling.temperature = 1.0
+  c.sampling.top_p = 0.9
+  return c
+
+
+@pytest.fixture(scope="module")
+def params():
+  return tfm.init_params(MODEL, jax.random.key(3), scale=0.1)
+
+
+def run(c, params, tmp_path, name, **kw):
+  c.rollout.output_dir = str(tmp_path / name)
+  return runner.run(c, params=params, model_cfg=MODEL, write_outputs=False, progress=False, **kw)
+
+
+def sizes_over_time(res):
+  sizes = [len(res.timeline.workers)]
+  for r in res.timeline.releases:
+    if not r.get("final"):
+      sizes.append(sizes[-1] - len(r["workers"]))
+  return sizes
+
+
+def long_tailed_lengths(c, path):
+  """A lengths file with a long tail within max_new_tokens (the default workload's median of 64
+  would cap every response at this test's 32 tokens): one straggler at the cap, the rest
+  short and varied, so the group shrinks all the way to the floor."""
+  rng = np.random.default_rng(7)
+  with open(path, "w") as f:
+    for i in range(c.rollout.num_prompts):
+      base = rng.integers(3, c.rollout.max_new_tokens // 2)
+      for j in range(c.rollout.samples_per_prompt):
+        n = int(np.clip(base + rng.integers(-2, 3), 1, c.rollout.max_new_tokens))
+        if i == 0 and j == 0:
+          n = c.rollout.max_new_tokens
+        f.write(json.dumps({"id": f"builtin-{i}", "sample": j, "length": n}) + "\n")
+  return str(path)
+
+
+@pytest.mark.parametrize("lengths", ["file", "model"])
+def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
+  c = get_config()
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl") if lengths == "file" \
+      else "model"
+  c.schedule = "static"
+  static = run(c, params, tmp_path, "static")
+  c.schedule = "flexfloor"
+  flex = run(c, params, tmp_path, "flex")
+  key = lambda r: (r["prompt_id"], r["sample"])
+  a = {key(r): r for r in static.responses}
+  b = {key(r): r for r in flex.responses}
+  assert a.keys() == b.keys()
+  moved = sum(a[k]["worker"] != b[k]["worker"] for k in a)
+  assert moved > 0, "the placements should differ, or the test proves nothing"
+  for k in a:
+    assert a[k]["tokens"] == b[k]["tokens"], k
+    assert a[k]["logprobs"] == b[k]["logprobs"], k
+  if lengths == "model":
+    # A random model seldom emits EOS, so most responses run to the cap together: the tokens
+    # are what this case checks.
+    assert {r["finish_reason"] for r in static.responses} >= {"length"}
+    return
+  # Releases happened all the way down the chain to the floor.
+  sizes = sizes_over_time(flex)
+  assert sizes[0] == 8 and sizes[-1] == flex.summary["floor"] == 1, sizes
+  assert all(x > y for x, y in zip(sizes, sizes[1:])), sizes
+  assert sizes_over_time(static) == [8]
+  assert flex.summary["device_steps"] < static.summary["device_steps"]
+
+
+def test_release_moves_only_released_experts_and_keeps_buffers(params):
+  """Shrink 8 -> 6 with two live workers left alone: bytes sent = the released workers'
+  experts, measured from the transfers; the survivors' buffers are the same buffers."""
+  devices = jax.devices()[:8]
+  chain = list(range(8))
+  spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=4, max_seq_len=96,
+                               max_prompt_len=48, max_new_tokens=32,
+                               sampling=SamplingParams(1.0, 1.0, 0))
+  placement = planner.ExpertPlacement.initial(MODEL.num_experts, chain, 4, num_workers=8)
+  eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=0,
+                          prefetch_sizes=[6])
+  rng = np.random.default_rng(0)
+  eng.add_sequences({i: engine_lib.SeqInput(tokens=rng.integers(0, 256, 10).astype(np.int32),
+                                            limit=20, stop_eos=False, phash=i, sample=0)
+                     for i in range(4)})
+  eng.prefill([(4, 0, 0), (7, 1, 1)])
+  eng.decode(3, np.zeros(8, bool), np.zeros(8, bool))
+
+  def pointers(arr):
+    return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
+
+  before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
+                                        "tokens": eng.state["tokens"]}.items()}
+  held = placement.slot_expert()
+  released = [0, 1]
+  expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
+      eng.experts[k].nbytes // (8 * spec.expert_slots) for k in engine_lib.EXPERT_KEYS)
+  stats = eng.shrink(chain[2:])
+  assert stats["expert_bytes_moved"] == expected > 0
+  survivors = {devices[w].id for w in chain[2:]}
+  after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
+                                       "tokens": eng.state["tokens"]}.items()}
+  for k in before:
+    assert set(after[k]) == survivors
+    for d in survivors:
+      assert after[k][d] == before[k][d], (k, d)
+  # Every expert is still served, each from exactly one slot of an active worker.
+  se = eng.placement.slot_expert()[eng.active]
+  assert sorted(se[se >= 0].tolist()) == list(range(MODEL.num_experts))
+  # The moved experts' weights arrived intact: compare slot contents with the canonical weights.
+  _, canon = engine_lib.split_params(params)
+  for k in engine_lib.EXPERT_KEYS:
+    w = np.asarray(eng.experts[k])
+    for pos, row in enumerate(se):
+      for s, e in enumerate(row):
+        if e >= 0:
+          np.testing.assert_array_equal(w[:, pos * spec.expert_slots + s], np.asarray(canon[k][:, e]))
+  # Decoding continues on the smaller mesh.
+  steps, _ = eng.decode(2, np.zeros(6, bool), np.zeros(6, bool))
+  assert steps == 2
+
+
+def test_no_compile_during_rollout(params, tmp_path):
+  c = get_config()
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  messages = []
+
+  class Capture(logging.Handler):
+    def emit(self, record):
+      messages.append(record.getMessage())
+
+  from flexfloor_jax.policy import controller
+  orig = controller.run
+
+  def run_capturing(*a, **kw):
+    h = Capture()
+    logging.getLogger("jax").addHandler(h)
+    jax.config.update("jax_log_compiles", True)
+    try:
+      return orig(*a, **kw)
+    finally:
+      jax.config.update("jax_log_compiles", False)
+      logging.getLogger("jax").removeHandler(h)
+
+  controller.run = run_capturing
+  try:
+    res = run(c, params, tmp_path, "flex")
+  finally:
+    controller.run = orig
+  compiles = [m for m in messages if "ompil" in m]
+  assert not compiles, compiles[:5]
+  assert len(res.summary["release_latency_s"]) >= 3
+  print("release latency / median decode step:", res.summary["release_latency_over_median_step"])
+
+
+def test_floor_is_respected(params, tmp_path):
+  c = get_config()
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  expert, nonexpert, kv = runner.model_bytes(MODEL, c)
+  # Room for 2 experts per worker (plus slack below one more expert): the floor is 4 workers.
+  budget = nonexpert + 2 * expert + kv + expert // 2
+  c.mesh.device_memory_gb = budget / 2**30
+  res = run(c, params, tmp_path, "floor4")
+  assert res.summary["floor"] == 4
+  sizes = sizes_over_time(res)
+  assert min(sizes) == 4, sizes
+  # A budget under the model size fails before generation, leaving no output.
+  c.mesh.device_memory_gb = (nonexpert + MODEL.num_experts * expert // 8) / 2 / 2**30
+  out = tmp_path / "too_small"
+  c.rollout.output_dir = str(out)
+  with pytest.raises(runner.RolloutError, match="mesh.device_memory_gb"):
+    runner.run(c, params=params, model_cfg=MODEL, progress=False)
+  assert not out.exists() or not any(out.iterdir())
