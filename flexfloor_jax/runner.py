@@ -225,6 +225,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         write_outputs: bool = True, history: Optional[scheduler.LengthHistory] = None,
         step_cache=None, progress: bool = True) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop)."""
+  t_setup = time.perf_counter()
+  validate_config(config)  # before the heavy imports: bad fields fail in well under a second
   import jax
 
   from flexfloor_jax import engine as engine_lib
@@ -235,8 +237,6 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   from flexfloor_jax.sampling import SamplingParams, prompt_hash
   from flexfloor_jax.tokenizer import load_tokenizer
 
-  t_setup = time.perf_counter()
-  validate_config(config)
   r = config.rollout
   # -- model shape (checkpoint inventory checked before anything is compiled)
   if model_cfg is None:

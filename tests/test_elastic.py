@@ -206,3 +206,20 @@ def test_floor_is_respected(params, tmp_path):
   with pytest.raises(runner.RolloutError, match="mesh.device_memory_gb"):
     runner.run(c, params=params, model_cfg=MODEL, progress=False)
   assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.slow
+def test_greedy_tokens_identical_across_mesh_sizes(params, tmp_path):
+  """Greedy rollout through the runner on 1, 2, 3 (uneven expert placement), 4 and 8 workers."""
+  c = get_config()
+  c.schedule = "static"
+  c.sampling.temperature = 0.0
+  c.rollout.lengths = "model"
+  c.rollout.max_new_tokens = 16
+  out = {}
+  for n in (1, 2, 3, 4, 8):
+    c.mesh.num_devices = n
+    res = run(c, params, tmp_path, f"n{n}")
+    out[n] = {(r["prompt_id"], r["sample"]): (r["tokens"], r["logprobs"]) for r in res.responses}
+  for n in (1, 2, 3, 4):
+    assert out[n] == out[8], n
