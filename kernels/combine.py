@@ -56,11 +56,20 @@ def _term(w_T, rows_TD, valid_T):
 def combine_xla(y_PD, row_dst_TK, weights_TK):
   """XLA reference: K static gathers, accumulated left to right in fp32."""
   num_tokens, top_k = row_dst_TK.shape
-  acc = jnp.zeros((num_tokens, y_PD.shape[1]), jnp.float32)
+  terms = []
   for k in range(top_k):
     idx = row_dst_TK[:, k]
     rows = jnp.take(y_PD, jnp.maximum(idx, 0), axis=0, mode="clip")
-    acc = acc + _term(weights_TK[:, k], rows, idx >= 0)
+    terms.append(_term(weights_TK[:, k], rows, idx >= 0))
+  terms_KTD = jnp.stack(terms)
+  # The sum runs in a loop over the materialised fp32 products, so every product is rounded
+  # before it is added. Written as `acc + w * y` in one fusion, XLA:CPU's codegen contracts some
+  # of the adds into FMAs depending on the surrounding program (e.g. whether an all_to_all
+  # separates the combine from the expert side), which changed outputs by an ulp between a
+  # 1-worker and a multi-worker mesh. (optimization_barrier does not help: it is expanded away
+  # before fusion on CPU.)
+  acc = jax.lax.fori_loop(0, top_k, lambda k, acc: acc + terms_KTD[k],
+                          jnp.zeros((num_tokens, y_PD.shape[1]), jnp.float32))
   return acc.astype(y_PD.dtype)
 
 

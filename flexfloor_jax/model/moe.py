@@ -94,9 +94,6 @@ def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: ja
   """MoE on this worker's tokens [T, D]. Long inputs are exchanged in chunks of
   ep.chunk_tokens so the all_to_all buffers stay bounded. Returns (y_TD, aux)."""
   t, d = x_TD.shape
-  # Fusion barriers around the layer: the program outside it is then the same for every N
-  # (with N = 1 the exchanges vanish and XLA would otherwise fuse differently around them).
-  x_TD = jax.lax.optimization_barrier(x_TD)
   c = min(ep.chunk_tokens, t)
   if t == c:
     y_TD, logits_TE, experts_TK = _ep_moe_chunk(x_TD, lp, valid_T, expert_to_slot_E, ep)
@@ -112,7 +109,6 @@ def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: ja
     _, (y, lg, ex) = jax.lax.scan(body, None, (xp.reshape(nc, c, d), vp.reshape(nc, c)))
     y_TD, logits_TE, experts_TK = (y.reshape(-1, d)[:t], lg.reshape(nc * c, -1)[:t],
                                    ex.reshape(nc * c, -1)[:t])
-  y_TD = jax.lax.optimization_barrier(y_TD)
   counts_E = jnp.sum(jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)
                      * valid_T[:, None, None].astype(jnp.int32), axis=(0, 1))
   counts_E = jax.lax.psum(counts_E, ep.axis)

@@ -1,0 +1,160 @@
+"""Shared helpers for tests/test_ep.py and tests/test_engine.py: a tiny model, the expert-parallel
+setup of one mesh (slot layout, expert -> slot table) and per-worker forward / prefill / decode
+steps run inside `jax.shard_map` with `ep_moe`."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.model.moe import EPConfig, ep_moe
+from flexfloor_jax.policy.planner import ExpertPlacement
+
+EP = mesh_lib.EP_AXIS
+# The tiny preset with 2 layers (fp32): compiles in seconds on 2 cores.
+TINY = PRESETS["tiny"].replace(num_layers=2, dtype="float32")
+INIT_SCALE = 0.1  # large enough that logits are not flat
+
+
+def make_params(cfg=TINY, seed: int = 0, scale: float = INIT_SCALE):
+  return tfm.init_params(cfg, jax.random.key(seed), scale=scale)
+
+
+class EPSetup:
+  """One expert-parallel group over the first n devices: mesh, slot-layout experts, e2s."""
+
+  def __init__(self, params, cfg, n: int, slots: int | None = None, *, tile_m: int = 8,
+               chunk_tokens: int = 64, backend: str = "xla", interpret: bool = False):
+    e = cfg.num_experts
+    self.n, self.cfg = n, cfg
+    self.slots = slots or math.ceil(e / n)
+    self.mesh = mesh_lib.make_ep_mesh(jax.devices()[:n])
+    self.placement = ExpertPlacement.initial(e, list(range(n)), self.slots)
+    rest, experts = engine_lib.split_params(params)
+    exp_sh = NamedSharding(self.mesh, P(None, EP))
+    self.rest = jax.device_put(rest, NamedSharding(self.mesh, P()))
+    self.experts = engine_lib.slot_layout(experts, self.placement.slot_expert(), exp_sh)
+    self.e2s = jnp.asarray(self.placement.expert_to_slot(list(range(n))), jnp.int32)
+    self.ep = EPConfig(num_workers=n, slots_per_worker=self.slots, top_k=cfg.top_k,
+                       tile_m=tile_m, chunk_tokens=chunk_tokens, backend=backend,
+                       interpret=interpret)
+
+  def moe_fn(self):
+    e2s, ep, e = self.e2s, self.ep, self.cfg.num_experts
+    return lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, e)
+
+  def specs(self):
+    return (jax.tree.map(lambda _: P(), self.rest), {k: P(None, EP) for k in self.experts})
+
+  def shard(self, x, spec=None):
+    spec = spec if spec is not None else P(EP, *([None] * (np.ndim(x) - 1)))
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+  # -- full-sequence forward (test 1)
+  def forward_fn(self):
+    cfg, moe_fn = self.cfg, self.moe_fn()
+
+    def local(rest, experts, tokens, valid):
+      params = engine_lib.merge_params(rest, experts)
+      logits, aux = tfm.forward(params, cfg, tokens, valid_BT=valid, moe_fn=moe_fn)
+      return logits, aux["expert_counts"]
+
+    rs, es = self.specs()
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rs, es, P(EP), P(EP)),
+                       out_specs=(P(EP), P()), check_vma=False)
+    return jax.jit(fn)
+
+  # -- prefill / decode with logits (test 2)
+  def step_fns(self):
+    """(prefill, decode) jitted over the mesh. Per worker:
+    prefill(tokens [B, T], lengths [B]) -> (last logits [B, V], cache, counts [L, E]);
+    decode(cache, tokens [B], positions [B], valid [B]) -> (logits [B, V], cache, counts)."""
+    cfg, moe_fn = self.cfg, self.moe_fn()
+    rs, es = self.specs()
+    cspec = P(None, EP)
+
+    def pre_local(rest, experts, ck, cv, tokens, lengths):
+      params = engine_lib.merge_params(rest, experts)
+      logits, k, v, aux = tfm.prefill(params, cfg, tokens, lengths, moe_fn=moe_fn)
+      slots = jnp.where(lengths > 0, jnp.arange(tokens.shape[0]), -1)
+      cache = tfm.insert(tfm.KVCache(ck, cv), k, v, slots)
+      return logits, cache.k, cache.v, aux["expert_counts"]
+
+    def dec_local(rest, experts, ck, cv, tokens, positions, valid):
+      params = engine_lib.merge_params(rest, experts)
+      logits, cache, aux = tfm.decode(params, cfg, tfm.KVCache(ck, cv), tokens, positions,
+                                      valid, moe_fn=moe_fn)
+      return logits, cache.k, cache.v, aux["expert_counts"]
+
+    pre = jax.shard_map(pre_local, mesh=self.mesh,
+                        in_specs=(rs, es, cspec, cspec, P(EP), P(EP)),
+                        out_specs=(P(EP), cspec, cspec, P()), check_vma=False)
+    dec = jax.shard_map(dec_local, mesh=self.mesh,
+                        in_specs=(rs, es, cspec, cspec, P(EP), P(EP), P(EP)),
+                        out_specs=(P(EP), cspec, cspec, P()), check_vma=False)
+    return jax.jit(pre, donate_argnums=(2, 3)), jax.jit(dec, donate_argnums=(2, 3))
+
+  def empty_cache(self, slots_per_worker: int, length: int):
+    c = tfm.KVCache.zeros(self.cfg, self.n * slots_per_worker, length)
+    return self.shard(c.k, P(None, EP)), self.shard(c.v, P(None, EP))
+
+
+# ----------------------------------------------------------------------------- compile counting
+
+
+class CompileCounter:
+  """Counts compilations while active: jax's compile log messages ('Compiling ...',
+  'Finished XLA compilation ...', with jax_log_compiles) and jax.monitoring's trace / lowering /
+  backend-compile duration events (a persistent-cache hit still traces and lowers)."""
+
+  EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+            "/jax/core/compile/backend_compile_duration")
+
+  def __init__(self):
+    self.messages: list[str] = []
+    self.events: list[str] = []
+    self._handler = logging.Handler()
+    self._handler.emit = self._emit
+    self._handler.setLevel(logging.DEBUG)
+
+  def _emit(self, record):
+    msg = record.getMessage()
+    if "Compiling" in msg or "Finished XLA compilation" in msg:
+      self.messages.append(msg.splitlines()[0][:200])
+
+  def _listener(self, event, duration, **kw):
+    if event in self.EVENTS:
+      self.events.append(event)
+
+  def __enter__(self):
+    self._old_flag = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    self._loggers = [logging.getLogger("jax")]  # child loggers propagate to it
+    self._levels = [lg.level for lg in self._loggers]
+    for lg in self._loggers:
+      lg.addHandler(self._handler)
+      lg.setLevel(logging.DEBUG)
+    jax.monitoring.register_event_duration_secs_listener(self._listener)
+    return self
+
+  def __exit__(self, *exc):
+    jax.monitoring.unregister_event_duration_listener(self._listener)
+    for lg, lvl in zip(self._loggers, self._levels):
+      lg.removeHandler(self._handler)
+      lg.setLevel(lvl)
+    jax.config.update("jax_log_compiles", self._old_flag)
+    return False
+
+  @property
+  def count(self) -> int:
+    return len(self.messages) + len(self.events)
