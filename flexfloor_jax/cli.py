@@ -17,3 +17,13 @@ def enable_compilation_cache() -> None:
                         os.path.join(os.path.expanduser("~"), ".cache", "flexfloor_jax", "xla"))
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def emulate_cpu_devices(n: int) -> None:
+  """Ask XLA:CPU for n devices; harmless on TPU/GPU. Must run before jax is imported."""
+  if "jax" in sys.modules:
+    return
+  flag = f"--xla_force_host_platform_device_count={n}"
+  cur = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in cur:
+    os.environ["XLA_FLAGS"] = (cur + " " + flag).strip()

@@ -431,6 +431,11 @@ class Engine:
   def active_workers(self) -> list[int]:
     return list(self.active)
 
+  def _scalar(self, x: int) -> jax.Array:
+    """An int32 scalar placed on the current mesh by a plain host transfer: a jnp scalar would be
+    resharded onto a new mesh by a computation compiled at its first use (after a release)."""
+    return jax.device_put(np.int32(x), self.stepset.rep)
+
   def _pos(self, worker: int) -> int:
     return self.active.index(worker)
 
@@ -456,18 +461,22 @@ class Engine:
     self.cache_k, self.cache_v, self.state, counts = ss["prefill"](
         self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
         jax.device_put(tokens, w2), put(lengths), put(slot), put(limit), put(eos), put(phash),
-        put(samp), jnp.int32(self.seed), jnp.int32(self.epoch))
+        put(samp), self._scalar(self.seed), self._scalar(self.epoch))
     self.expert_counts += np.asarray(counts)
+    if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
+      jax.block_until_ready(self.state)
+      self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+      self._pending_release_t0 = None
     return self._collect_finishes()
 
   def decode(self, max_steps: int, stop_on_refill, stop_on_idle):
     ss = self.stepset
     put = lambda a: jax.device_put(np.asarray(a, bool), ss.worker_sharding)
-    total = 0
+    total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
       # First step on a new mesh alone, to time release decision -> first output.
       out = ss["decode"](self.rest, self.experts, self.e2s, self.cache_k, self.cache_v,
-                         self.state, jnp.int32(1), put(stop_on_refill), put(stop_on_idle))
+                         self.state, self._scalar(1), put(stop_on_refill), put(stop_on_idle))
       jax.block_until_ready(out)
       self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
       self._pending_release_t0 = None
@@ -475,14 +484,25 @@ class Engine:
       self.expert_counts += np.asarray(counts)
       total = int(steps)
       finishes = self._collect_finishes()
-      if finishes or total == 0 or max_steps == 1:
+      if total == 0 or max_steps == 1 or self._stop_fired(finishes, stop_on_refill, stop_on_idle):
         return total, finishes
       max_steps -= 1
     self.cache_k, self.cache_v, self.state, steps, counts = ss["decode"](
         self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
-        jnp.int32(max_steps), put(stop_on_refill), put(stop_on_idle))
+        self._scalar(max_steps), put(stop_on_refill), put(stop_on_idle))
     self.expert_counts += np.asarray(counts)
-    return total + int(steps), self._collect_finishes()
+    return total + int(steps), finishes + self._collect_finishes()
+
+  def _stop_fired(self, finishes, stop_on_refill, stop_on_idle) -> bool:
+    """Would the device loop have stopped after this step? (Same rule as _decode_local.)"""
+    live = {w for w, _ in self._slot_seq}
+    if not live:
+      return True
+    for f in finishes:
+      p = self._pos(f.worker)
+      if stop_on_refill[p] or (stop_on_idle[p] and f.worker not in live):
+        return True
+    return False
 
   def _collect_finishes(self):
     """Finished sequences since the last call: read the small per-slot arrays once."""

@@ -25,7 +25,7 @@ _RUNS = flags.DEFINE_integer("runs", 10, "timed runs (median)")
 
 def main(argv):
   del argv
-  from flexfloor_jax.rollout import emulate_cpu_devices
+  from flexfloor_jax.cli import emulate_cpu_devices
   emulate_cpu_devices(_DEVICES.value)
   import jax
   import jax.numpy as jnp

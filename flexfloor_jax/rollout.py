@@ -11,7 +11,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flexfloor_jax.cli import fail
+from flexfloor_jax.cli import emulate_cpu_devices, fail
 
 
 def _unknown_override(err: Exception) -> None:
@@ -34,16 +34,6 @@ except (AttributeError, KeyError) as e:
   _unknown_override(e)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
-
-
-def emulate_cpu_devices(n: int) -> None:
-  """Ask XLA:CPU for n devices; harmless on TPU/GPU. Must run before jax is imported."""
-  if "jax" in sys.modules:
-    return
-  flag = f"--xla_force_host_platform_device_count={n}"
-  cur = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in cur:
-    os.environ["XLA_FLAGS"] = (cur + " " + flag).strip()
 
 
 def _parse_flags(argv):

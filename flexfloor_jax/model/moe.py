@@ -81,7 +81,15 @@ def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   rows = n * cap
   plan = make_plan(recv_slot.reshape(rows), s, ep.tile_m, padded_rows(rows, s, ep.tile_m))
   x_PD = permute(recv_ND.reshape(rows, d), plan.row_src, **kw)
-  y_PD = _expert_mlp(x_PD, lp["w1"], lp["w3"], lp["w2"], plan, ep)
+  # Expert slots of all layers as one [L*S, ...] stack (a free reshape): this layer's groups
+  # are rows layer*S .. layer*S+S-1, so no layer's weights are copied out per step.
+  # (A caller may also pass one layer's [S, ...] weights, without 'layer'.)
+  if "layer" in lp:
+    stack = lambda w: w.reshape((-1,) + w.shape[2:])
+    plan = plan.replace(tile_group=plan.tile_group + lp["layer"] * s)
+  else:
+    stack = lambda w: w
+  y_PD = _expert_mlp(x_PD, stack(lp["w1"]), stack(lp["w3"]), stack(lp["w2"]), plan, ep)
   back_RD = permute(y_PD, plan.row_dst, **kw).reshape(n, cap, d)
 
   home_ND = jax.lax.all_to_all(back_RD, ep.axis, 0, 0, tiled=True)

@@ -34,6 +34,32 @@ MoEFn = Callable[[jax.Array, Params, jax.Array], tuple[jax.Array, dict]]
 _NEG_INF = -1e30
 
 
+EXPERT_KEYS = ("w1", "w3", "w2")
+
+
+def scan_layers(fn, carry, layers: Params, *extra_xs):
+  """lax.scan over the layers without slicing the expert weights: a scanned operand is copied
+  layer by layer, which for expert slots would move every slot's weights on every step. The
+  expert arrays are passed whole with the layer index ('layer'); moe_fn indexes them."""
+  experts = {k: layers[k] for k in EXPERT_KEYS if k in layers}
+  rest = {k: v for k, v in layers.items() if k not in experts}
+  n = jax.tree.leaves(rest)[0].shape[0]
+
+  def body(c, xs):
+    lp, li = xs[0], xs[1]
+    return fn(c, {**lp, **experts, "layer": li}, *xs[2:])
+
+  return jax.lax.scan(body, carry, (rest, jnp.arange(n, dtype=jnp.int32), *extra_xs))
+
+
+def layer_experts(lp: Params):
+  """(w1, w3, w2) of this layer: indexed from the whole stacks that scan_layers passes, or as
+  given when the caller passes one layer's weights (no 'layer' key)."""
+  if "layer" not in lp:
+    return tuple(lp[k] for k in EXPERT_KEYS)
+  return tuple(lp[k][lp["layer"]] for k in EXPERT_KEYS)
+
+
 def dtype_of(cfg: ModelConfig):
   return jnp.dtype(cfg.dtype)
 
@@ -150,7 +176,7 @@ def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_
   """Every expert on every token, weighted by the router: exact and simple, E times the work."""
   logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k)
   e = lp["router"].shape[-1]
-  y_ETD = jax.vmap(expert_ffn, in_axes=(None, 0, 0, 0))(x_TD, lp["w1"], lp["w3"], lp["w2"])
+  y_ETD = jax.vmap(expert_ffn, in_axes=(None, 0, 0, 0))(x_TD, *layer_experts(lp))
   y_TKD = jnp.take_along_axis(jnp.moveaxis(y_ETD, 0, 1), experts_TK[:, :, None], axis=1)
   y_TD = jnp.zeros_like(x_TD, dtype=jnp.float32)
   for j in range(top_k):  # fixed k order
@@ -205,7 +231,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
     x = x + attend(q, k, v, mask) @ lp["wo"]
     return _mlp(cfg, lp, x, valid_BT, moe_fn)
 
-  x, aux = jax.lax.scan(layer, x, params["layers"])
+  x, aux = scan_layers(layer, x, params["layers"])
   logits = _logits(params, cfg, x)
   return (logits, aux, x) if return_hidden else (logits, aux)
 
@@ -243,7 +269,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lengths_B: j
     x, aux = _mlp(cfg, lp, x, valid_BT, moe_fn)
     return x, (k, v, aux)
 
-  x, (k, v, aux) = jax.lax.scan(layer, x, params["layers"])
+  x, (k, v, aux) = scan_layers(layer, x, params["layers"])
   last = jnp.take_along_axis(x, jnp.maximum(lengths_B - 1, 0)[:, None, None], axis=1)[:, 0]
   return _logits(params, cfg, last), k, v, aux
 
@@ -272,9 +298,9 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
   x = params["embed"][tokens_B][:, None]
   rows = jnp.arange(b)
 
-  def layer(carry, inputs):
+  def layer(carry, lp):
     x, ck, cv = carry
-    lp, li = inputs
+    li = lp["layer"]
     q, k, v = _qkv(cfg, lp, x, pos_B1)
     ck = ck.at[li, rows, positions_B].set(k[:, 0])
     cv = cv.at[li, rows, positions_B].set(v[:, 0])
@@ -282,6 +308,5 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
     x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
     return (x, ck, cv), aux
 
-  idx = jnp.arange(cfg.num_layers)
-  (x, ck, cv), aux = jax.lax.scan(layer, (x, cache.k, cache.v), (params["layers"], idx))
+  (x, ck, cv), aux = scan_layers(layer, (x, cache.k, cache.v), params["layers"])
   return _logits(params, cfg, x[:, 0]), KVCache(ck, cv), aux

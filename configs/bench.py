@@ -1,0 +1,38 @@
+"""Benchmark config: `python -m flexfloor_jax.bench --config=configs/bench.py`.
+
+Every field of configs/mixtral.py's tiny preset (the same workload parameters, slots per worker
+and cache length: the bench measures the main job, it does not retune it), plus the bench's own:
+output_dir, epochs, repeats, release_only, roofline_hardware. Override any
+field with --config.section.field=value.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _mixtral():
+  """configs/mixtral.py loaded by path (config_flags loads configs as files, not as a package)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mixtral.py")
+  spec = importlib.util.spec_from_file_location("_flexfloor_configs_mixtral", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+  c = _mixtral().get_config(preset or "tiny")
+  # The runner's flexfloor placement: 'auto' = length-aware scheduler, 'static' = the baseline's
+  # contiguous chunks with release on (the "release alone" measurement). The bench sets it per run.
+  c.scheduler.placement = "auto"
+  # Releases must not depend on when background compiles finish: compile every mesh size first.
+  c.rollout.wait_compiles = True
+  c.rollout.output_dir = "bench_out/rollout"  # unused: the bench writes no per-rollout outputs
+
+  c.output_dir = "bench_out"  # bench.json, bench.png, runs/*.json (timelines, for sim calibration)
+  c.epochs = 4  # epochs 0..epochs-1; the length history grows from one epoch to the next
+  c.repeats = 1  # runs of each schedule per epoch (machine noise shows in the wall-clock figures)
+  c.release_only = True  # also flexfloor with static placement, no compaction: release alone
+  c.roofline_hardware = "tpu-v5e"  # sim hardware preset for the roofline-weighted device-time
+  return c

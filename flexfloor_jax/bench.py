@@ -1,0 +1,459 @@
+"""Side-by-side benchmark: `python -m flexfloor_jax.bench --config=configs/bench.py`.
+
+For each epoch k = 0..epochs-1, in one process: the static baseline, FlexFloor (scheduler +
+release), and (release_only) FlexFloor with the static placement, i.e. release alone; the same
+prompts, seeds and workload (rollout.epoch = k), every mesh size compiled before the first step
+(rollout.wait_compiles) so releases are reproducible. One length history lives in memory: every
+run of epoch k is scheduled with the history of epochs 0..k-1 (a copy: a run of epoch k never sees
+epoch k's own lengths), and epoch k's lengths join it after the epoch.
+
+Printed: one table (per epoch and schedule the summary.json measures, then the flexfloor/static
+ratios with the paper's 1.654, the release-only ratio against its ceiling
+1 / (1 - static idle_after_finish_fraction), and a roofline-weighted device-time ratio: each run
+replayed through the simulator (flexfloor_jax.sim, same policy code, same device_steps) with every
+step costed by the roofline for this model on `roofline_hardware`). Written to output_dir:
+bench.json, bench.png and runs/<schedule>_e<k>.json (each run's sequences, lengths, history and
+timeline: what `python -m flexfloor_jax.sim --calibrate=... --predict=...` reads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from flexfloor_jax import cli
+
+PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
+PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
+RELEASE_ONLY_TARGET = 0.9  # issue 5: release alone reaches >= 0.9 of its ceiling
+TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("slot_utilization", "slot util", ".3f"),
+         ("idle_after_finish_fraction", "idle after fin", ".3f"), ("device_steps", "dev-steps", ".0f"),
+         ("throughput_tokens_per_s", "tokens/s", ".1f"), ("mean_reward", "reward", ".3f"))
+
+
+def get_bench_config(preset: str = "tiny"):
+  """configs/bench.py's get_config() (loaded by path, as config_flags loads it)."""
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "bench.py")
+  spec = importlib.util.spec_from_file_location("_flexfloor_configs_bench", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(preset)
+
+
+def variants(config) -> list[tuple[str, dict]]:
+  out = [("static", dict(schedule="static", placement="auto")),
+         ("flexfloor", dict(schedule="flexfloor", placement="auto"))]
+  if config.release_only:
+    out.append(("release_only", dict(schedule="flexfloor", placement="static")))
+  return out
+
+
+def run_config(config, variant: dict, epoch: int):
+  c = copy.deepcopy(config)
+  c.schedule = variant["schedule"]
+  c.scheduler.placement = variant["placement"]
+  c.rollout.epoch = int(epoch)
+  c.rollout.wait_compiles = True
+  return c
+
+
+# ----------------------------------------------------------------------------- compiled steps
+
+
+class StepCachePool:
+  """Reuses engine.StepCache across runs whose EngineSpec, devices and release chain are the same
+  (static and flexfloor differ in expert slots per worker, so each gets its own).
+
+  runner.run builds its StepCache itself (engine.Engine calls engine.StepCache(spec, devices,
+  chain, ...)) and accepts one only ready-made, which would mean rebuilding its EngineSpec here.
+  Instead, while `installed()`, engine.StepCache is a factory keyed by exactly the arguments the
+  engine passes, so a cache is only ever shared between identical specs."""
+
+  def __init__(self, engine_lib):
+    self._lib, self._cls = engine_lib, engine_lib.StepCache
+    self._caches: dict = {}
+    self.hits = self.misses = 0
+
+  def _key(self, spec, devices, chain, rest_abs, exp_abs):
+    import jax
+    shapes = lambda t: tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t))
+    return (spec, tuple(d.id for d in devices), tuple(chain), str(jax.tree.structure(rest_abs)),
+            shapes(rest_abs), shapes(exp_abs))
+
+  def _make(self, spec, devices, chain, rest_abs, exp_abs):
+    key = self._key(spec, devices, chain, rest_abs, exp_abs)
+    c = self._caches.get(key)
+    if c is None:
+      self.misses += 1
+      c = self._caches[key] = self._cls(spec, devices, chain, rest_abs, exp_abs)
+    else:
+      self.hits += 1
+      pool = getattr(c, "_pool", None)  # the runner closes caches it did not get passed
+      if pool is not None and getattr(pool, "_shutdown", False):
+        import concurrent.futures
+        c._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    return c
+
+  @contextlib.contextmanager
+  def installed(self):
+    self._lib.StepCache = self._make
+    try:
+      yield self
+    finally:
+      self._lib.StepCache = self._cls
+
+
+# ----------------------------------------------------------------------------- one epoch
+
+
+def _scalars(summary: dict) -> dict:
+  """Numeric measures of a summary.json (lists and labels left out; prediction flattened)."""
+  out = {}
+  for k, v in summary.items():
+    if isinstance(v, bool):
+      continue
+    if isinstance(v, (int, float)):
+      out[k] = v
+  pred = summary.get("prediction")
+  if isinstance(pred, dict):
+    for k, v in pred.items():
+      out[f"prediction_{k}"] = v
+  return out
+
+
+def _seqs_for(config):
+  """The runner's own sequence list for this config (same prompts, prompt lengths, targets)."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.tokenizer import load_tokenizer
+  if config.model.checkpoint:
+    from flexfloor_jax.model import checkpoint as ckpt
+    model_cfg = runner._inspect_checkpoint(ckpt, config.model.checkpoint)
+  else:
+    model_cfg = PRESETS[config.preset]
+  model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  tok = load_tokenizer(config.model.checkpoint, model_cfg)
+  prompts = runner.load_prompts(config, tok, model_cfg.bos_id)
+  return runner.build_seqs(config, prompts, runner.resolve_lengths_mode(config)), model_cfg
+
+
+def sim_model(model_cfg):
+  from flexfloor_jax import sim
+  itemsize = 2 if model_cfg.dtype == "bfloat16" else int(
+      {"float32": 4, "float16": 2, "float64": 8}.get(model_cfg.dtype, 4))
+  return sim.Model(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e", model_cfg.vocab_size,
+                   model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers,
+                   model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
+                   model_cfg.num_experts, model_cfg.top_k, dtype_bytes=itemsize)
+
+
+def _same_responses(a: list[dict], b: list[dict]) -> bool:
+  key = lambda r: (r["prompt_id"], r["sample"])
+  return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
+
+
+def run_bench(config, *, progress: bool = True):
+  """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
+  run record}) (what write_outputs() writes)."""
+  from tqdm import tqdm
+
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax import runner, sim
+  from flexfloor_jax.policy import scheduler
+
+  if config.epochs < 1 or config.repeats < 1:
+    raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
+                              f"{config.repeats}")
+  if config.roofline_hardware not in sim.HARDWARE:
+    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(sim.HARDWARE)}, got "
+                              f"{config.roofline_hardware!r}")
+  pool = StepCachePool(engine_lib)
+  hw = sim.HARDWARE[config.roofline_hardware]
+  history = scheduler.LengthHistory()
+  names = [n for n, _ in variants(config)]
+  epochs, timelines, records = [], {}, {}
+  t_all = time.perf_counter()
+  for k in range(config.epochs):
+    runs: dict[str, list] = {n: [] for n in names}
+    bar = tqdm(total=len(names) * config.repeats, desc=f"epoch {k}", unit="run",
+               disable=not progress, leave=True, file=sys.stderr)
+    for rep in range(config.repeats):
+      for name, v in variants(config):
+        bar.set_postfix_str(name)
+        c = run_config(config, v, k)
+        before = copy.deepcopy(history)
+        h = copy.deepcopy(history)  # the runner adds this run's lengths to it
+        with pool.installed():
+          res = runner.run(c, write_outputs=False, history=h, progress=False)
+        runs[name].append((c, res, before, h))
+        bar.update(1)
+    bar.close()
+    seqs, model_cfg = _seqs_for(run_config(config, variants(config)[0][1], k))
+    model = sim_model(model_cfg)
+    ep: dict = {"epoch": k}
+    for name in names:
+      per = []
+      for rep, (c, res, before, h) in enumerate(runs[name]):
+        s = res.summary
+        m = _scalars(s)
+        lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
+        kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
+                  placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
+                  epoch=k)
+        args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"],
+                s["floor"])
+        plain, _ = sim.replay(*args, **kw)
+        roof, _ = sim.replay(*args, cost=sim.RooflineCost(model, hw), model=model, **kw)
+        m["sim_device_steps"] = plain["device_steps"]
+        m["roofline_occupied_device_seconds"] = roof["occupied_device_seconds"]
+        m["roofline_tokens_per_device_second"] = (
+            roof["generated_tokens"] / roof["occupied_device_seconds"])
+        m["roofline_wall_s"] = roof["generation_wall_s"]
+        per.append(m)
+        if rep == 0:
+          timelines[(name, k)] = res.record.timeline
+          records[(name, k)] = sim.make_run_record(
+              name=f"{name}_e{k}", epoch=k, seqs=seqs, lengths=lengths, history=before,
+              schedule=c.schedule, placement=c.scheduler.placement,
+              compaction=bool(c.scheduler.compaction), num_workers=s["num_workers"],
+              slots_per_worker=s["slots_per_worker"], floor=s["floor"],
+              steps_per_dispatch=c.rollout.steps_per_dispatch,
+              num_experts=model_cfg.num_experts, timeline=res.record.timeline, summary=s)
+      merged = {key: sum(p[key] for p in per) / len(per) for key in per[0]
+                if all(key in p for p in per)}
+      for key in ("device_steps", "generated_tokens", "sim_device_steps"):
+        if key in merged:
+          merged[key] = per[0][key]
+      ep[name] = merged
+      if config.repeats > 1:
+        ep.setdefault("repeats", {})[name] = {
+            "throughput_tokens_per_s": [p["throughput_tokens_per_s"] for p in per],
+            "device_steps": [p["device_steps"] for p in per]}
+      ep.setdefault("device_steps_match_sim", {})[name] = all(
+          p["device_steps"] == p["sim_device_steps"] for p in per)
+    base = runs["static"][0][1].responses
+    ep["responses_identical"] = {n: _same_responses(base, runs[n][0][1].responses)
+                                 for n in names if n != "static"}
+    st = ep["static"]
+    ep["ratio"] = _ratios(ep["flexfloor"], st)
+    if "release_only" in ep:
+      ep["ratio_release_only"] = _ratios(ep["release_only"], st)
+      ceil = 1.0 / (1.0 - st["idle_after_finish_fraction"])
+      ep["release_only_ceiling"] = ceil
+      ep["release_only_of_ceiling"] = ep["ratio_release_only"]["tokens_per_device_step"] / ceil
+    epochs.append(ep)
+    history = runs["flexfloor"][0][3]  # epoch k's lengths join the shared history
+  calibration = _calibrate(records)
+  doc = {"config": config.to_dict(), "paper": {"tokens_per_device_time_ratio":
+                                               PAPER_TOKENS_PER_DEVICE_TIME,
+                                               "throughput_ratio": PAPER_THROUGHPUT},
+         "roofline": {"hardware": hw.name, "model": dataclasses_asdict(model), "source": hw.source},
+         "epochs": epochs, "calibration": calibration,
+         "step_cache": {"hits": pool.hits, "misses": pool.misses},
+         "bench_seconds": time.perf_counter() - t_all}
+  return _jsonable(doc), timelines, records
+
+
+def dataclasses_asdict(x):
+  import dataclasses
+  return dataclasses.asdict(x)
+
+
+def _ratios(a: dict, b: dict) -> dict:
+  return {k: a[k] / b[k] for k in a if k in b and isinstance(b[k], (int, float)) and b[k]}
+
+
+def _calibrate(records: dict) -> dict | None:
+  """The sim's cpu preset fitted on the workload of epoch 0 (its static and flexfloor runs),
+  predicting the runs of every later epoch (held-out workloads: other lengths)."""
+  from flexfloor_jax import sim
+  fit = [records[(n, 0)] for n in ("static", "flexfloor") if (n, 0) in records]
+  held = [rec for (n, k), rec in sorted(records.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+          if k > 0]
+  if not fit:
+    return None
+  return sim.calibrate_and_predict(fit, held)
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
+    return x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
+# ----------------------------------------------------------------------------- table, plot
+
+
+def format_table(doc: dict) -> str:
+  hw = doc["roofline"]["hardware"]
+  cols = [("epoch", 5), ("run", 19)] + [(h, 20 if i == 0 else max(len(h), 9))
+                                       for i, (_, h, _) in enumerate(TABLE)] + [
+      (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)]
+  fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols))
+  lines = [fmt_row([c for c, _ in cols])]
+  dash = "-"
+
+  def cell(m, key, f):
+    v = m.get(key)
+    return dash if v is None else format(v, f)
+
+  for ep in doc["epochs"]:
+    k = ep["epoch"]
+    for name in ("static", "flexfloor", "release_only"):
+      if name in ep:
+        m = ep[name]
+        lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
+                             + [format(m["roofline_tokens_per_device_second"], ".4g") +
+                                " tok/dev-s", dash, dash]))
+    r = ep["ratio"]
+    tp = f"{r['tokens_per_device_step']:.3f} (paper {PAPER_TOKENS_PER_DEVICE_TIME})"
+    lines.append(fmt_row([k, "flexfloor/static", tp] + [
+        cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
+        + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
+    if "ratio_release_only" in ep:
+      r = ep["ratio_release_only"]
+      lines.append(fmt_row([k, "release_only/static", format(r["tokens_per_device_step"], ".3f")]
+                           + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
+                           + [cell(r, "roofline_tokens_per_device_second", ".3f"),
+                              format(ep["release_only_ceiling"], ".3f"),
+                              format(ep["release_only_of_ceiling"], ".3f")]))
+  return "\n".join(lines)
+
+
+def summary_lines(doc: dict) -> list[str]:
+  eps = [e for e in doc["epochs"] if e["epoch"] >= 2] or doc["epochs"]
+  out = []
+  r = [e["ratio"]["tokens_per_device_step"] for e in eps]
+  t = [e["ratio"]["throughput_tokens_per_s"] for e in eps]
+  out.append(f"flexfloor/static tokens_per_device_step, epochs {[e['epoch'] for e in eps]}: "
+             f"{', '.join(f'{x:.3f}' for x in r)} (target >= 1.65, paper "
+             f"{PAPER_TOKENS_PER_DEVICE_TIME}); throughput ratio {', '.join(f'{x:.3f}' for x in t)}"
+             f" (target >= 1.0, paper {PAPER_THROUGHPUT})")
+  if all("release_only_of_ceiling" in e for e in doc["epochs"]):
+    q = [e["release_only_of_ceiling"] for e in doc["epochs"]]
+    out.append(f"release-only / ceiling per epoch: {', '.join(f'{x:.3f}' for x in q)} "
+               f"(target >= {RELEASE_ONLY_TARGET})")
+  ok = all(all(e["device_steps_match_sim"].values()) for e in doc["epochs"])
+  ident = all(all(e["responses_identical"].values()) for e in doc["epochs"])
+  out.append(f"sim replay device_steps == measured for every run: {ok}; responses token-identical "
+             f"to static for every schedule: {ident}")
+  cal = doc.get("calibration")
+  if cal and cal["predictions"]:
+    errs = [p["wall_rel_error"] for p in cal["predictions"]]
+    out.append(f"cpu preset fitted on epoch 0 ({cal['cpu_preset']['fitted_on']}) predicts the "
+               f"{len(errs)} runs of later epochs' wall "
+               f"time within {max(abs(e) for e in errs) * 100:.1f}% (mean "
+               f"{sum(errs) / len(errs) * 100:+.1f}%), device_steps exact: "
+               f"{all(p['device_steps_exact'] for p in cal['predictions'])}")
+  return out
+
+
+def _atomic(path: str, write):
+  d = os.path.dirname(os.path.abspath(path))
+  os.makedirs(d, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      write(f)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def write_json(path: str, doc) -> None:
+  _atomic(path, lambda f: f.write(json.dumps(doc, indent=2).encode()))
+
+
+def plot(doc: dict, timelines: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from flexfloor_jax.policy import accounting
+  last = doc["epochs"][-1]["epoch"]
+  fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4))
+  for (name, k), tl in sorted(timelines.items()):
+    if k != last:
+      continue
+    xs, active, _ = accounting.live_series(tl)
+    a.step(xs, active, where="post", label=name, ls={"release_only": "--"}.get(name, "-"))
+  a.set_xlabel("step (prefill + decode)")
+  a.set_ylabel("active workers")
+  a.set_title(f"epoch {last}: active workers")
+  a.legend()
+  ks = [e["epoch"] for e in doc["epochs"]]
+  b.plot(ks, [e["ratio"]["tokens_per_device_step"] for e in doc["epochs"]], "o-",
+         label="flexfloor/static tokens/device-step")
+  b.plot(ks, [e["ratio"]["throughput_tokens_per_s"] for e in doc["epochs"]], "s-",
+         label="flexfloor/static throughput")
+  b.plot(ks, [e["ratio"]["roofline_tokens_per_device_second"] for e in doc["epochs"]], "^-",
+         label=f"roofline device-time ({doc['roofline']['hardware']})")
+  if all("ratio_release_only" in e for e in doc["epochs"]):
+    b.plot(ks, [e["ratio_release_only"]["tokens_per_device_step"] for e in doc["epochs"]], "d--",
+           label="release only / static")
+    b.plot(ks, [e["release_only_ceiling"] for e in doc["epochs"]], "k:", label="release ceiling")
+  b.axhline(PAPER_TOKENS_PER_DEVICE_TIME, color="gray", ls="-.", label="paper 1.654")
+  b.set_xticks(ks)
+  b.set_xlabel("epoch")
+  b.set_ylabel("ratio")
+  b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  fig.tight_layout()
+  try:
+    _atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+  finally:
+    plt.close(fig)
+
+
+def write_outputs(doc, timelines, records, out_dir: str) -> None:
+  write_json(os.path.join(out_dir, "bench.json"), doc)
+  for (name, k), rec in records.items():
+    write_json(os.path.join(out_dir, "runs", f"{name}_e{k}.json"), rec)
+  plot(doc, timelines, os.path.join(out_dir, "bench.png"))
+
+
+# ----------------------------------------------------------------------------- CLI
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench.py", "Benchmark config file.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
+                                    "Emulated devices on CPU (default: config mesh.cpu_devices).")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax is imported
+  from flexfloor_jax import runner
+  from flexfloor_jax.cli import enable_compilation_cache, fail
+  enable_compilation_cache()
+  try:
+    doc, timelines, records = run_bench(config)
+  except runner.RolloutError as e:
+    fail(str(e))
+  print(format_table(doc))
+  for line in summary_lines(doc):
+    print(line)
+  write_outputs(doc, timelines, records, config.output_dir)
+  print(f"wrote {config.output_dir}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,124 @@
+"""flexfloor_jax.bench: a small two-epoch benchmark end to end (in process, 8 emulated devices)."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from flexfloor_jax import bench
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finish_fraction",
+                 "device_steps", "throughput_tokens_per_s")
+
+
+def small_config(tmp_path):
+  c = bench.get_bench_config()
+  c.epochs = 2
+  c.rollout.num_prompts = 4  # 16 sequences instead of 64; compiled shapes unchanged
+  c.rollout.samples_per_prompt = 4
+  c.output_dir = str(tmp_path / "bench_out")
+  return c
+
+
+def test_config_keeps_mixtral_defaults():
+  from configs import mixtral
+  m, b = mixtral.get_config(), bench.get_bench_config()
+  for sec in ("model", "mesh", "rollout", "sampling"):
+    for k, v in m[sec].items():
+      if (sec, k) not in (("rollout", "wait_compiles"), ("rollout", "output_dir")):
+        assert b[sec][k] == v, (sec, k)
+  assert (b.output_dir, b.epochs, b.repeats, b.release_only) == ("bench_out", 4, 1, True)
+  assert b.scheduler.placement == "auto" and b.rollout.wait_compiles
+
+
+@pytest.fixture(scope="module")
+def small_bench(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("bench")
+  c = small_config(tmp)
+  doc, timelines, records = bench.run_bench(c, progress=False)
+  bench.write_outputs(doc, timelines, records, c.output_dir)
+  return c, pathlib.Path(c.output_dir)
+
+
+def test_bench_json_structure_and_ratios(small_bench):
+  c, out = small_bench
+  doc = json.loads((out / "bench.json").read_text())
+  assert doc["config"]["epochs"] == 2 and doc["config"]["rollout"]["num_prompts"] == 4
+  assert [e["epoch"] for e in doc["epochs"]] == [0, 1]
+  for e in doc["epochs"]:
+    for name in ("static", "flexfloor", "release_only"):
+      for m in TABLE_METRICS:
+        assert isinstance(e[name][m], (int, float)), (name, m)
+      assert e[name]["generated_tokens"] == e["static"]["generated_tokens"]
+    for m in TABLE_METRICS + ("roofline_tokens_per_device_second",):
+      assert e["ratio"][m] == pytest.approx(e["flexfloor"][m] / e["static"][m])
+      assert e["ratio_release_only"][m] == pytest.approx(e["release_only"][m] / e["static"][m])
+    ceil = 1 / (1 - e["static"]["idle_after_finish_fraction"])
+    assert e["release_only_ceiling"] == pytest.approx(ceil)
+    assert e["release_only_of_ceiling"] == pytest.approx(
+        e["ratio_release_only"]["tokens_per_device_step"] / ceil)
+    assert e["ratio"]["tokens_per_device_step"] > 1.0
+    assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
+    assert all(e["responses_identical"].values())
+  # the scheduler sees the history of earlier epochs only
+  assert "prediction_spearman" not in doc["epochs"][0]["flexfloor"]
+  assert "prediction_spearman" in doc["epochs"][1]["flexfloor"]
+  assert doc["step_cache"]["misses"] == 2  # one StepCache per EngineSpec (static, flexfloor)
+  cal = doc["calibration"]
+  assert cal["predictions"] and all(p["device_steps_exact"] for p in cal["predictions"])
+  assert math.isclose(doc["paper"]["tokens_per_device_time_ratio"], 1.654)
+
+
+def test_bench_outputs(small_bench):
+  c, out = small_bench
+  assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  names = sorted(p.name for p in (out / "runs").iterdir())
+  assert names == sorted(f"{n}_e{k}.json" for n in ("static", "flexfloor", "release_only")
+                         for k in (0, 1))
+  assert not [p for p in out.rglob(".*")]  # no temp files left behind
+  doc = json.loads((out / "bench.json").read_text())
+  table = bench.format_table(doc)
+  assert "paper 1.654" in table and "release_only/static" in table
+  assert len([ln for ln in table.splitlines() if ln.split()[1:2] == ["flexfloor/static"]]) == 2
+
+
+def test_sim_cli_calibrates_on_bench_runs(small_bench):
+  c, out = small_bench
+  runs = out / "runs"
+  r = subprocess.run(
+      [sys.executable, "-m", "flexfloor_jax.sim",
+       f"--calibrate={runs / 'static_e0.json'},{runs / 'flexfloor_e0.json'}",
+       f"--predict={runs / 'flexfloor_e1.json'},{runs / 'static_e1.json'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert r.returncode in (0, 1), r.stderr  # 1: a wall prediction outside 25% (machine noise)
+  assert r.stdout.count("(exact)") == 4 and "MISMATCH" not in r.stdout, r.stdout
+
+
+def _cli(tmp_path, *args, timeout=300):
+  import os
+  env = dict(os.environ, FLEXFLOOR_JAX_CACHE=str(ROOT / ".jax_cache"))
+  env.pop("XLA_FLAGS", None)  # the CLI emulates its own 8 devices
+  return subprocess.run([sys.executable, "-m", "flexfloor_jax.bench", "--config=configs/bench.py",
+                         f"--config.output_dir={tmp_path / 'out'}", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+  r = _cli(tmp_path, "--config.epochs=0", timeout=120)
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: epochs"), \
+      r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_cli_prints_the_table(tmp_path):
+  r = _cli(tmp_path, "--config.epochs=1", "--config.rollout.num_prompts=2",
+           "--config.rollout.samples_per_prompt=4", "--config.release_only=False")
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "flexfloor/static" in r.stdout and "paper 1.654" in r.stdout
+  assert "epoch 0" in r.stderr  # the progress bar
+  doc = json.loads((tmp_path / "out" / "bench.json").read_text())
+  assert [e["epoch"] for e in doc["epochs"]] == [0] and "release_only" not in doc["epochs"][0]

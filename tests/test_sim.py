@@ -1,0 +1,165 @@
+"""flexfloor_jax.sim: numpy only, the engine's policy code on a cost model, calibration."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flexfloor_jax import sim
+from flexfloor_jax.policy import scheduler, stepsim, workload
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_sim_imports_no_jax():
+  code = ("import sys\nimport flexfloor_jax.sim\n"
+          "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
+          "assert not bad, bad\n")
+  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", "--model=mixtral-8x7b",
+                      "--hardware=tpu-v5p", "--devices=64", f"--output_dir={tmp_path}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "tok/occ-dev-s" in r.stdout
+  (row,) = json.loads((tmp_path / "sim.json").read_text())
+  assert row["devices"] == 64 and row["ep"] == 8 and row["groups"] == 8
+  s, f = row["static"], row["flexfloor"]
+  assert s["tokens_per_occupied_device_second"] > 0 and f["tokens_per_occupied_device_second"] > 0
+  assert row["ratio"]["tokens_per_occupied_device_second"] == pytest.approx(
+      f["tokens_per_occupied_device_second"] / s["tokens_per_occupied_device_second"])
+  # the static baseline holds every device to the batch's end; flexfloor releases
+  assert s["occupied_device_seconds"] == pytest.approx(64 * s["generation_wall_s"])
+  assert f["worker_releases"] > 0 and s["worker_releases"] == 0
+  line = [ln for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] == "64"]
+  assert line, r.stdout
+  assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_cli_input_is_one_line(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", "--model=nope",
+                      f"--output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                     timeout=60)
+  assert r.returncode == 2 and r.stderr.startswith("error: --model")
+
+
+def _history(spec, epochs):
+  h = scheduler.LengthHistory()
+  for e in range(epochs):
+    seqs = workload.make_seqs(spec, e)
+    h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
+  return h
+
+
+@pytest.mark.parametrize("schedule,placement", [("static", "auto"), ("flexfloor", "auto"),
+                                                ("flexfloor", "static")])
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_replay_device_steps_equal_stepsim(schedule, placement, epoch):
+  """The sim's executor only adds time: its device_steps are stepsim's, with or without a cost
+  model (probe_after_release off: plain SimExecutor stepping)."""
+  spec = workload.WorkloadSpec()
+  seqs, hist = workload.make_seqs(spec, epoch), _history(spec, epoch)
+  args = (seqs, None, hist, schedule, 8, 4, 1)
+  kw = dict(placement=placement, epoch=epoch)
+  queues, policy, _ = sim.plan_rollout(seqs, hist, schedule, 8, 4, 1, placement=placement,
+                                       epoch=epoch)
+  ref = stepsim.simulate(seqs, None, queues, policy, 8, 4, 8)
+  plain, _ = sim.replay(*args, probe_after_release=False, **kw)
+  m = sim.MODELS["mixtral-8x7b"]
+  roof, _ = sim.replay(*args, probe_after_release=False, model=m,
+                       cost=sim.RooflineCost(m, sim.HARDWARE["tpu-v5p"]), **kw)
+  assert plain["device_steps"] == ref["device_steps"] == roof["device_steps"]
+  assert plain["generated_tokens"] == roof["generated_tokens"] == sum(s.target_len for s in seqs)
+  assert roof["generation_wall_s"] > 0
+  # with the engine's probe step the cost model still changes nothing but time
+  a, _ = sim.replay(*args, **kw)
+  b, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["h100"]), **kw)
+  assert a["device_steps"] == b["device_steps"]
+
+
+def test_roofline_fewer_workers_with_more_experts_cost_more():
+  m, hw = sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"]
+  c = sim.RooflineCost(m, hw)
+  t = {}
+  for n in (1, 2, 4, 8):
+    held = np.full(n, 8 / n)
+    tok = np.full(n, 32.0 / n)
+    t[n] = c.step_seconds(held, tok, tok * 1000)
+  assert t[1] > t[2] > t[4] > t[8] > hw.step_overhead_s
+  # memory bound: one worker reading all 8 experts is close to 8 x one worker reading one
+  assert t[1] / t[8] > 4
+  # device-time per step (n x t(n)) still falls as workers go: what release saves
+  assert 8 * t[8] > 1 * t[1]
+
+
+def test_presets_are_published_figures():
+  assert sim.HARDWARE["tpu-v5p"].hbm_bw == 2765e9
+  assert sim.HARDWARE["h200"].hbm_bytes == 141e9
+  assert sim.MODELS["mixtral-8x7b"].params == pytest.approx(46.7e9, rel=0.01)
+  assert sim.MODELS["mixtral-8x22b"].params == pytest.approx(140.6e9, rel=0.01)
+  assert sim.MODELS["qwen3-30b-a3b"].params == pytest.approx(30.5e9, rel=0.02)
+  for hw in sim.HARDWARE.values():
+    assert hw.source
+
+
+def test_floor_per_hardware():
+  m = sim.MODELS["mixtral-8x7b"]
+  # v5e (16 GiB): one 11 GB expert per chip and no fewer chips; v5p (95 GiB) holds it all
+  assert sim.floor_for(m, sim.HARDWARE["tpu-v5e"], 8, 4, 2304) == 8
+  assert sim.floor_for(m, sim.HARDWARE["tpu-v5p"], 8, 4, 2304) == 1
+  assert sim.floor_for(sim.MODELS["mixtral-8x22b"], sim.HARDWARE["tpu-v5p"], 8, 4, 2304) == 4
+
+
+def test_cluster_groups_and_static_hold():
+  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 16,
+                           length_scale=1.0, processes=1)
+  assert r["ep"] == 8 and r["groups"] == 2 and r["floor"] == 8
+  # floor 8 = the whole group: no release inside a group, only whole groups that finish early
+  assert r["flexfloor"]["worker_releases"] == 0
+  assert r["ratio"]["tokens_per_occupied_device_second"] >= 1.0
+  with pytest.raises(ValueError, match="ep="):
+    sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 12, ep=8)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def _rollout(pool, seed: int, schedule: str = "flexfloor"):
+  from flexfloor_jax import bench, runner
+  c = bench.run_config(bench.get_bench_config(), dict(schedule=schedule, placement="auto"), 0)
+  c.sampling.seed = seed  # also the workload seed: another workload
+  hist = scheduler.LengthHistory()
+  seqs, model_cfg = bench._seqs_for(c)
+  with pool.installed():
+    res = runner.run(c, write_outputs=False, history=scheduler.LengthHistory(), progress=False)
+  s = res.summary
+  return sim.make_run_record(
+      name=f"{schedule}_seed{seed}", epoch=0, seqs=seqs,
+      lengths={q: f.num_tokens for q, f in res.record.finishes.items()}, history=hist,
+      schedule=schedule, placement="auto", compaction=bool(c.scheduler.compaction),
+      num_workers=s["num_workers"], slots_per_worker=s["slots_per_worker"], floor=s["floor"],
+      steps_per_dispatch=c.rollout.steps_per_dispatch, num_experts=model_cfg.num_experts,
+      timeline=res.record.timeline, summary=s)
+
+
+@pytest.mark.slow
+def test_cpu_preset_fitted_on_one_workload_predicts_another():
+  """Two real rollouts on different workloads (seeds): the cpu preset fitted on the first
+  predicts the second's device_steps exactly (same policy code) and wall time within 25%."""
+  from flexfloor_jax import bench, engine
+  pool = bench.StepCachePool(engine)
+  a = _rollout(pool, seed=0)
+  b = _rollout(pool, seed=1)
+  assert a["lengths"] != b["lengths"]
+  r = sim.calibrate_and_predict([a], [b])
+  print(sim.format_calibration(r))
+  (p,) = r["predictions"]
+  assert p["device_steps_exact"], p
+  assert abs(p["wall_rel_error"]) <= 0.25, sim.format_calibration(r)
