@@ -24,13 +24,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from flexfloor_jax import cli
+from flexfloor_jax.policy.atomic import atomic_open
 
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
 PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
@@ -366,17 +366,8 @@ def summary_lines(doc: dict) -> list[str]:
 
 
 def _atomic(path: str, write):
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with atomic_open(path, "wb") as f:
+    write(f)
 
 
 def write_json(path: str, doc) -> None:

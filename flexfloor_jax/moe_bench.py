@@ -7,8 +7,6 @@ runs on N emulated devices that share this machine's cores, so the ratio is tota
 a speed-up. Routing, permutes, all_to_all and combine are included in the layer's time.
 """
 
-import os
-import sys
 import time
 
 from absl import app, flags

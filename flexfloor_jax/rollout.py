@@ -4,7 +4,6 @@ On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh
 field or 8), which must happen before jax is imported: hence the late imports.
 """
 
-import os
 import re
 import sys
 

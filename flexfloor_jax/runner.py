@@ -11,13 +11,13 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from typing import Any, Optional
 
 import numpy as np
 
 from flexfloor_jax.policy import accounting, planner, scheduler, workload
+from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.controller import Seq
 
 BUILTIN_PROMPTS = (
@@ -69,7 +69,7 @@ def validate_config(config) -> None:
          f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
   _check(config.mesh.num_devices >= 0,
          f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
-  _check(config.model.max_seq_len > 1, f"model.max_seq_len must be > 1")
+  _check(config.model.max_seq_len > 1, "model.max_seq_len must be > 1")
   _check(r.lengths in ("auto", "model", "workload") or os.path.isfile(r.lengths),
          f"rollout.lengths must be 'model', 'workload' or a lengths JSONL file; "
          f"{r.lengths!r} is neither (file not found)")
@@ -117,20 +117,6 @@ def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
 
 
 # ----------------------------------------------------------------------------- outputs
-
-
-def atomic_write(path: str, data: str | bytes) -> None:
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-  try:
-    with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
 
 
 def _jsonable(x):

@@ -48,12 +48,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from typing import Mapping, Optional
 
 import numpy as np
 
 from flexfloor_jax.policy import accounting, controller, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy.atomic import atomic_open, atomic_write
 from flexfloor_jax.policy.controller import Seq
 
 GB = 1e9
@@ -640,31 +640,12 @@ def format_cluster_table(rows: list[dict]) -> str:
 
 
 def _atomic_savefig(fig, path: str):
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      fig.savefig(f, format="png", dpi=110)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with atomic_open(path, "wb") as f:
+    fig.savefig(f, format="png", dpi=110)
 
 
 def atomic_write_text(path: str, text: str):
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  atomic_write(path, text)
 
 
 def plot_cluster(rows: list[dict], path: str) -> str:

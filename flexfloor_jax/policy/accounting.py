@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
+
+from flexfloor_jax.policy.atomic import atomic_open
 
 
 @dataclass
@@ -209,17 +210,9 @@ def plot_timeline(tl: Timeline, path: str, title: str | None = None) -> str:
   h2, l2 = ax2.get_legend_handles_labels()
   ax.legend(h1 + h2, l1 + l2, loc='upper right', fontsize=8)
   fig.tight_layout()
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
   try:
-    with os.fdopen(fd, 'wb') as f:
+    with atomic_open(path, 'wb') as f:
       fig.savefig(f, format=os.path.splitext(path)[1][1:] or 'png', dpi=110)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
   finally:
     plt.close(fig)
   return path
@@ -227,8 +220,5 @@ def plot_timeline(tl: Timeline, path: str, title: str | None = None) -> str:
 
 def save_timeline(tl: Timeline, path: str) -> None:
   """JSON dump of a timeline (atomic)."""
-  d = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
-  with os.fdopen(fd, 'w') as f:
+  with atomic_open(path) as f:
     json.dump(tl.to_dict(), f)
-  os.replace(tmp, path)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import tempfile
 
 import numpy as np
 
+from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.controller import Seq
 
 HISTORY_FORMAT = 'flexfloor_jax.length_history'
@@ -65,27 +65,7 @@ class LengthHistory:
     """Atomic: a temp file in the same directory, fsync, os.replace; a crash leaves the old file."""
     doc = {'format': HISTORY_FORMAT, 'version': HISTORY_VERSION,
            'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in self.data.items()}}
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
-    try:
-      with os.fdopen(fd, 'w') as f:
-        f.write(json.dumps(doc))
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, path)
-    except BaseException:
-      if os.path.exists(tmp):
-        os.unlink(tmp)
-      raise
-    try:  # make the rename itself durable
-      dfd = os.open(d, os.O_RDONLY)
-      try:
-        os.fsync(dfd)
-      finally:
-        os.close(dfd)
-    except OSError:
-      pass
+    atomic_write(path, json.dumps(doc), durable=True)
 
   @classmethod
   def load(cls, path: str) -> 'LengthHistory':

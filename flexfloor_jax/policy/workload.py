@@ -9,13 +9,12 @@ prediction meaningful); u, v are fresh per epoch. The cap is max_new_tokens: the
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, replace
 from statistics import NormalDist
 
 import numpy as np
 
+from flexfloor_jax.policy.atomic import atomic_open
 from flexfloor_jax.policy.controller import Seq
 
 # Defaults. Fixed by hand: the rollout shape (configs/mixtral.py tiny: 8 workers x 4 slots,
@@ -125,18 +124,9 @@ def calibrate_sigma(target: float = IDLE_TARGET, spec: WorkloadSpec | None = Non
 
 def write_lengths_jsonl(path: str, rows) -> None:
   """rows: iterable of (prompt_id, sample, length); atomic write."""
-  d = os.path.dirname(os.path.abspath(path))
-  os.makedirs(d, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=d, prefix='.' + os.path.basename(path) + '.', suffix='.tmp')
-  try:
-    with os.fdopen(fd, 'w') as f:
-      for pid, s, n in rows:
-        f.write(json.dumps({'id': str(pid), 'sample': int(s), 'length': int(n)}) + '\n')
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with atomic_open(path) as f:
+    for pid, s, n in rows:
+      f.write(json.dumps({'id': str(pid), 'sample': int(s), 'length': int(n)}) + '\n')
 
 
 def lengths_rows(spec: WorkloadSpec, epoch: int):
