@@ -18,6 +18,7 @@ import numpy as np
 
 from flexfloor_jax.policy import accounting, planner, scheduler, workload
 from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.policy.jsonl import iter_jsonl
 from flexfloor_jax.policy.controller import Seq
 
 BUILTIN_PROMPTS = (
@@ -88,30 +89,27 @@ def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
   path = r.prompts
   _check(os.path.isfile(path), f"rollout.prompts: file {path} not found")
   out, seen = [], set()
-  with open(path) as f:
-    for ln, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise RolloutError(f"rollout.prompts: {path}:{ln} is not valid JSON ({e.msg})") from None
-      _check(isinstance(row, dict) and "id" in row and ("prompt" in row or "tokens" in row),
-             f"rollout.prompts: {path}:{ln} needs \"id\" and \"prompt\" or \"tokens\"")
-      pid = str(row["id"])
-      _check(pid not in seen, f"rollout.prompts: {path}:{ln} repeats id {pid!r}")
-      seen.add(pid)
-      if "tokens" in row:
-        toks = row["tokens"]
-        _check(isinstance(toks, list) and toks and all(isinstance(t, int) for t in toks),
-               f"rollout.prompts: {path}:{ln} \"tokens\" must be a non-empty list of ints")
-        out.append(Prompt(pid, list(toks), None))
-      else:
-        _check(tokenizer is not None, f"rollout.prompts: {path}:{ln} has text but the model has "
-               "no tokenizer (give \"tokens\")")
-        _check(isinstance(row["prompt"], str) and row["prompt"],
-               f"rollout.prompts: {path}:{ln} \"prompt\" must be a non-empty string")
-        out.append(Prompt(pid, tokenizer.encode(row["prompt"], add_bos=True), row["prompt"]))
+  try:
+    rows = list(iter_jsonl(path))
+  except ValueError as e:
+    raise RolloutError(f"rollout.prompts: {e}") from None
+  for ln, row in rows:
+    _check("id" in row and ("prompt" in row or "tokens" in row),
+           f"rollout.prompts: {path}:{ln} needs \"id\" and \"prompt\" or \"tokens\"")
+    pid = str(row["id"])
+    _check(pid not in seen, f"rollout.prompts: {path}:{ln} repeats id {pid!r}")
+    seen.add(pid)
+    if "tokens" in row:
+      toks = row["tokens"]
+      _check(isinstance(toks, list) and toks and all(isinstance(t, int) for t in toks),
+             f"rollout.prompts: {path}:{ln} \"tokens\" must be a non-empty list of ints")
+      out.append(Prompt(pid, list(toks), None))
+    else:
+      _check(tokenizer is not None, f"rollout.prompts: {path}:{ln} has text but the model has "
+             "no tokenizer (give \"tokens\")")
+      _check(isinstance(row["prompt"], str) and row["prompt"],
+             f"rollout.prompts: {path}:{ln} \"prompt\" must be a non-empty string")
+      out.append(Prompt(pid, tokenizer.encode(row["prompt"], add_bos=True), row["prompt"]))
   _check(bool(out), f"rollout.prompts: {path} holds no prompts")
   return out
 

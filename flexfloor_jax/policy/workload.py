@@ -16,6 +16,7 @@ import numpy as np
 
 from flexfloor_jax.policy.atomic import atomic_open
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.jsonl import iter_jsonl
 
 # Defaults. Fixed by hand: the rollout shape (configs/mixtral.py tiny: 8 workers x 4 slots,
 # 8 prompts x 8 samples, max_new_tokens 256 = cap), the median (cap = 4 x median, so only the far
@@ -138,27 +139,16 @@ def lengths_rows(spec: WorkloadSpec, epoch: int):
 def read_lengths_jsonl(path: str) -> dict[tuple[str, int], int]:
   """{(prompt id, sample): length}; errors name the file and line."""
   out = {}
-  try:
-    f = open(path)
-  except OSError as e:
-    raise ValueError(f'{path}: cannot read lengths file: {e}') from e
-  with f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        r = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f'{path}:{i}: not JSON: {e.msg}') from None
-      if not isinstance(r, dict) or not {'id', 'sample', 'length'} <= set(r):
-        raise ValueError(f'{path}:{i}: need keys "id", "sample", "length", got {line.strip()[:80]}')
-      s, n = r['sample'], r['length']
-      if (not isinstance(s, int) or not isinstance(n, int) or isinstance(s, bool)
-          or isinstance(n, bool) or s < 0 or n < 1):
-        raise ValueError(f'{path}:{i}: "sample" must be an int >= 0 and "length" an int >= 1, '
-                         f'got sample={s!r} length={n!r}')
-      key = (str(r['id']), s)
-      if key in out:
-        raise ValueError(f'{path}:{i}: duplicate (id, sample) {key}')
-      out[key] = n
+  for i, r in iter_jsonl(path):
+    if not {'id', 'sample', 'length'} <= set(r):
+      raise ValueError(f'{path}:{i}: need keys "id", "sample", "length", got {json.dumps(r)[:80]}')
+    s, n = r['sample'], r['length']
+    if (not isinstance(s, int) or not isinstance(n, int) or isinstance(s, bool)
+        or isinstance(n, bool) or s < 0 or n < 1):
+      raise ValueError(f'{path}:{i}: "sample" must be an int >= 0 and "length" an int >= 1, '
+                       f'got sample={s!r} length={n!r}')
+    key = (str(r['id']), s)
+    if key in out:
+      raise ValueError(f'{path}:{i}: duplicate (id, sample) {key}')
+    out[key] = n
   return out
