@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from flexfloor_jax import cli
+from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_open
 
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
@@ -262,7 +262,7 @@ def run_bench(config, *, progress: bool = True):
          "epochs": epochs, "calibration": calibration,
          "step_cache": {"hits": pool.hits, "misses": pool.misses},
          "bench_seconds": time.perf_counter() - t_all}
-  return _jsonable(doc), timelines, records
+  return jsonable(doc, nonfinite_to_none=True), timelines, records
 
 
 def dataclasses_asdict(x):
@@ -284,18 +284,6 @@ def _calibrate(records: dict) -> dict | None:
   if not fit:
     return None
   return sim.calibrate_and_predict(fit, held)
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if hasattr(x, "item") and callable(x.item) and getattr(x, "ndim", 1) == 0:
-    return x.item()
-  if isinstance(x, float) and not math.isfinite(x):
-    return None
-  return x
 
 
 # ----------------------------------------------------------------------------- table, plot

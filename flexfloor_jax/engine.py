@@ -275,14 +275,12 @@ class StepSet:
     args = jax.tree.map(zeros, self.decode_args_abstract())
     jax.block_until_ready(self._compiled["decode"](*args))
     idx = jax.device_put(np.full((self.mesh.size,), -1, np.int32), self.worker_sharding)
-    for group in ("experts", "slots"):
-      tree = self._compiled[f"zeros_{group}"]
-      full = {"experts": self.abstract_experts,
-              "slots": {"k": self.abstract_kv, "v": self.abstract_kv, **self.abstract_state}}[group]
-      t = jax.tree.map(zeros, full)
+    full = {"experts": self.abstract_experts,
+            "slots": {"k": self.abstract_kv, "v": self.abstract_kv, **self.abstract_state}}
+    for group, tree in full.items():
+      t = jax.tree.map(zeros, tree)
       rows = self._compiled[f"extract_{group}"](t, idx)
       jax.block_until_ready(self._compiled[f"insert_{group}"](t, rows, idx))
-      del tree
 
   def __getitem__(self, name: str):
     return self.compile()._compiled[name]

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from flexfloor_jax.policy import accounting, planner, scheduler, workload
+from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.jsonl import iter_jsonl
 from flexfloor_jax.policy.controller import Seq
@@ -115,20 +116,6 @@ def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
 
 
 # ----------------------------------------------------------------------------- outputs
-
-
-def _jsonable(x):
-  if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
-  if isinstance(x, (np.integer,)):
-    return int(x)
-  if isinstance(x, (np.floating,)):
-    return float(x)
-  if isinstance(x, np.ndarray):
-    return x.tolist()
-  return x
 
 
 # ----------------------------------------------------------------------------- the rollout
@@ -361,18 +348,19 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     responses.append({"prompt_id": s.prompt_id, "sample": s.sample, "tokens": o.tokens,
                       "text": text, "finish_reason": o.finish_reason,
                       "num_tokens": len(o.tokens), "logprobs": o.logprobs, "worker": o.worker})
+  m = jsonable(m)
   history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
   tl = record.timeline
   if write_outputs:
     out = r.output_dir
     os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, "responses.jsonl"),
-                 "".join(json.dumps(_jsonable(x)) + "\n" for x in responses))
-    atomic_write(os.path.join(out, "summary.json"), json.dumps(_jsonable(m), indent=2))
+                 "".join(json.dumps(jsonable(x)) + "\n" for x in responses))
+    atomic_write(os.path.join(out, "summary.json"), json.dumps(m, indent=2))
     accounting.plot_timeline(tl, os.path.join(out, "timeline.png"),
                              title=f"{config.schedule}: {n} workers, epoch {r.epoch}")
     history.save(history_path)
-  return RolloutResult(summary=_jsonable(m), responses=responses, timeline=tl, record=record)
+  return RolloutResult(summary=m, responses=responses, timeline=tl, record=record)
 
 
 def _progress(total: int, enabled: bool):

@@ -17,6 +17,7 @@ steps the wall time of each step is interpolated linearly (the engine only times
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -60,7 +61,7 @@ class Timeline:
 
   def add_release(self, workers, step, t, stats=None, final=False):
     self.releases.append(dict(workers=[int(w) for w in workers], step=int(step), t=float(t),
-                              stats=_jsonable(stats or {}), final=bool(final)))
+                              stats=jsonable(stats or {}), final=bool(final)))
 
   def to_dict(self) -> dict:
     return dict(workers=self.workers, slots_per_worker=self.slots_per_worker, t_start=self.t_start,
@@ -82,16 +83,19 @@ class Timeline:
     return self.steps[-1]['t1'] if self.steps else self.t_start
 
 
-def _jsonable(x):
-  """Stats from an engine may hold numpy scalars; keep summary.json writable."""
+def jsonable(x, nonfinite_to_none: bool = False):
+  """Plain Python for json.dumps: numpy (or jax) scalars and arrays become numbers and lists;
+  nonfinite_to_none maps inf/nan floats to None (strict JSON)."""
   if isinstance(x, dict):
-    return {str(k): _jsonable(v) for k, v in x.items()}
+    return {str(k): jsonable(v, nonfinite_to_none) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
-    return [_jsonable(v) for v in x]
+    return [jsonable(v, nonfinite_to_none) for v in x]
   if hasattr(x, 'item') and callable(x.item) and getattr(x, 'ndim', 1) == 0:
-    return x.item()
-  if hasattr(x, 'tolist'):
-    return x.tolist()
+    x = x.item()
+  elif hasattr(x, 'tolist'):
+    return jsonable(x.tolist(), nonfinite_to_none)
+  if nonfinite_to_none and isinstance(x, float) and not math.isfinite(x):
+    return None
   return x
 
 
