@@ -33,6 +33,6 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.output_dir = "bench_out"  # bench.json, bench.png, runs/*.json (timelines, for sim calibration)
   c.epochs = 4  # epochs 0..epochs-1; the length history grows from one epoch to the next
   c.repeats = 1  # runs of each schedule per epoch (machine noise shows in the wall-clock figures)
-  c.release_only = True  # also flexfloor with static placement, no compaction: release alone
+  c.release_only = True  # also the static placement with release alone, and with compaction
   c.roofline_hardware = "tpu-v5e"  # sim hardware preset for the roofline-weighted device-time
   return c

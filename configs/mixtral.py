@@ -53,4 +53,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.scheduler = ml_collections.ConfigDict()
   c.scheduler.history_path = ""  # length history file; '' = <output_dir>/history.json
   c.scheduler.compaction = True  # migrate stragglers off workers that could be released
+  # 'auto' = length-aware placement on the release chain; 'static' = the baseline's placement kept
+  # (flexfloor then releases, and compacts when scheduler.compaction, but never reorders work)
+  c.scheduler.placement = "auto"
   return c

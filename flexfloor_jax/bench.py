@@ -1,7 +1,8 @@
 """Side-by-side benchmark: `python -m flexfloor_jax.bench --config=configs/bench.py`.
 
 For each epoch k = 0..epochs-1, in one process: the static baseline, FlexFloor (scheduler +
-release), and (release_only) FlexFloor with the static placement, i.e. release alone; the same
+release), (release_only) FlexFloor with the static placement, i.e. release alone, and
+(release_compaction) the static placement with release and compaction of stragglers; the same
 prompts, seeds and workload (rollout.epoch = k), every mesh size compiled before the first step
 (rollout.wait_compiles) so releases are reproducible. One length history lives in memory: every
 run of epoch k is scheduled with the history of epochs 0..k-1 (a copy: a run of epoch k never sees
@@ -52,10 +53,14 @@ def get_bench_config(preset: str = "tiny"):
 
 
 def variants(config) -> list[tuple[str, dict]]:
-  out = [("static", dict(schedule="static", placement="auto")),
-         ("flexfloor", dict(schedule="flexfloor", placement="auto"))]
+  out = [("static", dict(schedule="static", placement="auto", compaction=False)),
+         ("flexfloor", dict(schedule="flexfloor", placement="auto",
+                            compaction=bool(config.scheduler.compaction)))]
   if config.release_only:
-    out.append(("release_only", dict(schedule="flexfloor", placement="static")))
+    # The baseline's placement kept: release alone, then release + compaction of stragglers.
+    out.append(("release_only", dict(schedule="flexfloor", placement="static", compaction=False)))
+    out.append(("release_compaction", dict(schedule="flexfloor", placement="static",
+                                           compaction=True)))
   return out
 
 
@@ -63,6 +68,7 @@ def run_config(config, variant: dict, epoch: int):
   c = copy.deepcopy(config)
   c.schedule = variant["schedule"]
   c.scheduler.placement = variant["placement"]
+  c.scheduler.compaction = variant.get("compaction", config.scheduler.compaction)
   c.rollout.epoch = int(epoch)
   c.rollout.wait_compiles = True
   return c
@@ -252,6 +258,10 @@ def run_bench(config, *, progress: bool = True):
       ceil = 1.0 / (1.0 - st["idle_after_finish_fraction"])
       ep["release_only_ceiling"] = ceil
       ep["release_only_of_ceiling"] = ep["ratio_release_only"]["tokens_per_device_step"] / ceil
+    if "release_compaction" in ep:
+      ep["ratio_release_compaction"] = _ratios(ep["release_compaction"], st)
+      ep["release_compaction_of_ceiling"] = (
+          ep["ratio_release_compaction"]["tokens_per_device_step"] / ep["release_only_ceiling"])
     epochs.append(ep)
     history = runs["flexfloor"][0][3]  # epoch k's lengths join the shared history
   calibration = _calibrate(records)
@@ -291,7 +301,7 @@ def _calibrate(records: dict) -> dict | None:
 
 def format_table(doc: dict) -> str:
   hw = doc["roofline"]["hardware"]
-  cols = [("epoch", 5), ("run", 19)] + [(h, 20 if i == 0 else max(len(h), 9))
+  cols = [("epoch", 5), ("run", 25)] + [(h, 20 if i == 0 else max(len(h), 9))
                                        for i, (_, h, _) in enumerate(TABLE)] + [
       (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)]
   fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols))
@@ -304,7 +314,7 @@ def format_table(doc: dict) -> str:
 
   for ep in doc["epochs"]:
     k = ep["epoch"]
-    for name in ("static", "flexfloor", "release_only"):
+    for name in ("static", "flexfloor", "release_only", "release_compaction"):
       if name in ep:
         m = ep[name]
         lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
@@ -322,6 +332,14 @@ def format_table(doc: dict) -> str:
                            + [cell(r, "roofline_tokens_per_device_second", ".3f"),
                               format(ep["release_only_ceiling"], ".3f"),
                               format(ep["release_only_of_ceiling"], ".3f")]))
+    if "ratio_release_compaction" in ep:
+      r = ep["ratio_release_compaction"]
+      lines.append(fmt_row([k, "release_compaction/static",
+                            format(r["tokens_per_device_step"], ".3f")]
+                           + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
+                           + [cell(r, "roofline_tokens_per_device_second", ".3f"),
+                              format(ep["release_only_ceiling"], ".3f"),
+                              format(ep["release_compaction_of_ceiling"], ".3f")]))
   return "\n".join(lines)
 
 
@@ -338,6 +356,10 @@ def summary_lines(doc: dict) -> list[str]:
     q = [e["release_only_of_ceiling"] for e in doc["epochs"]]
     out.append(f"release-only / ceiling per epoch: {', '.join(f'{x:.3f}' for x in q)} "
                f"(target >= {RELEASE_ONLY_TARGET})")
+  if all("release_compaction_of_ceiling" in e for e in doc["epochs"]):
+    q = [e["release_compaction_of_ceiling"] for e in doc["epochs"]]
+    out.append(f"release + compaction (placement unchanged) / ceiling per epoch: "
+               f"{', '.join(f'{x:.3f}' for x in q)} (target > 1: past the ceiling)")
   ok = all(all(e["device_steps_match_sim"].values()) for e in doc["epochs"])
   ident = all(all(e["responses_identical"].values()) for e in doc["epochs"])
   out.append(f"sim replay device_steps == measured for every run: {ok}; responses token-identical "
@@ -374,7 +396,8 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
     if k != last:
       continue
     xs, active, _ = accounting.live_series(tl)
-    a.step(xs, active, where="post", label=name, ls={"release_only": "--"}.get(name, "-"))
+    a.step(xs, active, where="post", label=name,
+           ls={"release_only": "--", "release_compaction": ":"}.get(name, "-"))
   a.set_xlabel("step (prefill + decode)")
   a.set_ylabel("active workers")
   a.set_title(f"epoch {last}: active workers")
@@ -390,6 +413,9 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
     b.plot(ks, [e["ratio_release_only"]["tokens_per_device_step"] for e in doc["epochs"]], "d--",
            label="release only / static")
     b.plot(ks, [e["release_only_ceiling"] for e in doc["epochs"]], "k:", label="release ceiling")
+  if all("ratio_release_compaction" in e for e in doc["epochs"]):
+    b.plot(ks, [e["ratio_release_compaction"]["tokens_per_device_step"] for e in doc["epochs"]],
+           "s--", label="release + compaction / static")
   b.axhline(PAPER_TOKENS_PER_DEVICE_TIME, color="gray", ls="-.", label="paper 1.654")
   b.set_xticks(ks)
   b.set_xlabel("epoch")

@@ -52,7 +52,7 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import accounting, controller, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy import accounting, controller, plan, planner, scheduler, stepsim, workload
 from flexfloor_jax.policy.atomic import atomic_open, atomic_write
 from flexfloor_jax.policy.controller import Seq
 
@@ -385,33 +385,7 @@ class CostExecutor(stepsim.SimExecutor):
 # ----------------------------------------------------------------------------- the policy
 
 
-def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: str,
-                 num_workers: int, slots_per_worker: int, floor: int, *,
-                 steps_per_dispatch: int = 8, placement: str = "auto", compaction: bool = True,
-                 epoch: int = 0):
-  """(queues, release policy, predicted lengths by seq id) exactly as runner.run chooses them for
-  a config with these fields (schedule, scheduler.placement, scheduler.compaction,
-  rollout.epoch). Keep in step with runner.run's "placement (host policy)" block: the calibration
-  test (tests/test_sim.py) replays real rollouts and fails if the two drift apart."""
-  workers = list(range(num_workers))
-  flex = schedule == "flexfloor"
-  if schedule not in ("static", "flexfloor"):
-    raise ValueError(f"schedule must be 'static' or 'flexfloor', got {schedule!r}")
-  if flex and placement != "static":
-    queues, pred, _ = scheduler.flexfloor_schedule(
-        seqs, history, workers, slots_per_worker, floor=floor,
-        steps_per_dispatch=steps_per_dispatch, seed=epoch)
-    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
-                                   compaction=bool(compaction), predicted=pred)
-  else:
-    predicted = scheduler.predict(history, seqs)
-    pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
-    queues = scheduler.static_placement(seqs, workers)
-    # flexfloor with static placement = release alone (no migration, no work stealing)
-    policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
-                                   chain=list(workers), compaction=False, steal=False,
-                                   predicted=pred)
-  return queues, policy, pred
+plan_rollout = plan.plan_rollout  # the runner's own placement + release policy
 
 
 def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, schedule: str,

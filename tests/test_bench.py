@@ -50,17 +50,21 @@ def test_bench_json_structure_and_ratios(small_bench):
   assert doc["config"]["epochs"] == 2 and doc["config"]["rollout"]["num_prompts"] == 4
   assert [e["epoch"] for e in doc["epochs"]] == [0, 1]
   for e in doc["epochs"]:
-    for name in ("static", "flexfloor", "release_only"):
+    for name in ("static", "flexfloor", "release_only", "release_compaction"):
       for m in TABLE_METRICS:
         assert isinstance(e[name][m], (int, float)), (name, m)
       assert e[name]["generated_tokens"] == e["static"]["generated_tokens"]
     for m in TABLE_METRICS + ("roofline_tokens_per_device_second",):
       assert e["ratio"][m] == pytest.approx(e["flexfloor"][m] / e["static"][m])
       assert e["ratio_release_only"][m] == pytest.approx(e["release_only"][m] / e["static"][m])
+      assert e["ratio_release_compaction"][m] == pytest.approx(
+          e["release_compaction"][m] / e["static"][m])
     ceil = 1 / (1 - e["static"]["idle_after_finish_fraction"])
     assert e["release_only_ceiling"] == pytest.approx(ceil)
     assert e["release_only_of_ceiling"] == pytest.approx(
         e["ratio_release_only"]["tokens_per_device_step"] / ceil)
+    assert e["release_compaction_of_ceiling"] == pytest.approx(
+        e["ratio_release_compaction"]["tokens_per_device_step"] / ceil)
     assert e["ratio"]["tokens_per_device_step"] > 1.0
     assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
     assert all(e["responses_identical"].values())
@@ -77,12 +81,13 @@ def test_bench_outputs(small_bench):
   c, out = small_bench
   assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   names = sorted(p.name for p in (out / "runs").iterdir())
-  assert names == sorted(f"{n}_e{k}.json" for n in ("static", "flexfloor", "release_only")
-                         for k in (0, 1))
+  assert names == sorted(f"{n}_e{k}.json" for n in ("static", "flexfloor", "release_only",
+                                                    "release_compaction") for k in (0, 1))
   assert not [p for p in out.rglob(".*")]  # no temp files left behind
   doc = json.loads((out / "bench.json").read_text())
   table = bench.format_table(doc)
   assert "paper 1.654" in table and "release_only/static" in table
+  assert "release_compaction/static" in table
   assert len([ln for ln in table.splitlines() if ln.split()[1:2] == ["flexfloor/static"]]) == 2
 
 

@@ -176,8 +176,8 @@ def _step_clock(ex: SimExecutor):
 def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4, floor: int = 1,
                    steps_per_dispatch: int = 8, num_scenarios: int = 8,
                    policy_kw: dict | None = None) -> list[dict]:
-  """Static vs release-only vs FlexFloor on a synthetic workload, epoch after epoch (the length
-  history of epochs 0..e-1 drives epoch e). Per epoch: the three metric dicts and the
+  """Static vs release-only vs release + compaction vs FlexFloor on a synthetic workload, epoch after epoch (the length
+  history of epochs 0..e-1 drives epoch e). Per epoch: the four metric dicts and the
   prediction quality."""
   from flexfloor_jax.policy import planner, scheduler, workload  # they import this module lazily
   workers = list(range(num_workers))
@@ -192,6 +192,12 @@ def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4
       st = simulate(seqs, None, static_q, planner.ReleasePolicy(enabled=False), *args)
       ro = simulate(seqs, None, static_q,
                     planner.ReleasePolicy(floor=floor, compaction=False, steal=False), *args)
+      # the baseline's placement kept, release + compaction of stragglers (runner: placement
+      # 'static', compaction on); its predictions come from the same history
+      pred_static = {q.seq_id: float(p) for q, p in zip(seqs, scheduler.predict(hist, seqs))}
+      rc = simulate(seqs, None, static_q,
+                    planner.ReleasePolicy(floor=floor, chain=workers, compaction=True, steal=False,
+                                          predicted=pred_static), *args)
       queues, pred, info = scheduler.flexfloor_schedule(
           seqs, hist, workers, slots_per_worker, floor=floor,
           steps_per_dispatch=steps_per_dispatch, num_scenarios=num_scenarios, seed=e,
@@ -200,7 +206,8 @@ def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4
           floor=floor, chain=workers, predicted=pred, **(policy_kw or {})), *args)
       pq = scheduler.prediction_quality([pred[s.seq_id] for s in seqs],
                                         [actual[s.seq_id] for s in seqs])
-      out.append(dict(epoch=e, static=st, release_only=ro, flexfloor=ff, prediction=pq,
+      out.append(dict(epoch=e, static=st, release_only=ro, release_compaction=rc, flexfloor=ff,
+                      prediction=pq,
                       placement=info))
     hist.add_rollout(e, seqs, actual)
   return out
