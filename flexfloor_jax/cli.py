@@ -27,3 +27,19 @@ def emulate_cpu_devices(n: int) -> None:
   cur = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in cur:
     os.environ["XLA_FLAGS"] = (cur + " " + flag).strip()
+
+
+def process_log(output_dir: str):
+  """print(), and in a multi-process run also a line in <output_dir>/process_<k>.log (each
+  process writes its own log; only process 0 writes the outputs)."""
+  import jax
+  if jax.process_count() == 1:
+    return print
+  os.makedirs(output_dir, exist_ok=True)
+  path = os.path.join(output_dir, f"process_{jax.process_index()}.log")
+
+  def log(msg: str):
+    print(msg)
+    with open(path, "a") as f:
+      f.write(msg + "\n")
+  return log

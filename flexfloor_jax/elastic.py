@@ -85,8 +85,41 @@ def reassemble(arr: jax.Array, sharding: NamedSharding, shape, buffers: dict | N
   by_dev = shards_by_device(arr)
   if buffers:
     by_dev.update(buffers)
-  bufs = [by_dev[d] for d in sharding.mesh.devices.reshape(-1)]
+  devs = sharding.mesh.devices.reshape(-1)
+  if jax.process_count() > 1:  # this process's devices only (maybe none: all released)
+    pid = jax.process_index()
+    bufs = [by_dev[d] for d in devs if d.process_index == pid]
+    return jax.make_array_from_single_device_arrays(shape, sharding, bufs, dtype=arr.dtype)
+  bufs = [by_dev[d] for d in devs]
   return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+
+
+def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
+  """Multi-controller row transfer: the block at mesh position p of each array in `rows`
+  (sharded one block per device over `devs`) goes to device dst_of_src[p], by a device_put onto
+  the same devices in a permuted order (gloo collectives; a plain device_put between devices of
+  different processes is not implemented on CPU). Returns {name: {dst device: buffer}} for this
+  process's destination devices."""
+  n = len(devs)
+  perm = [None] * n  # perm[p] = device that receives block p
+  used = set(dst_of_src.values())
+  for p, d in dst_of_src.items():
+    perm[p] = d
+  free = [d for d in devs if d not in used]
+  for p in range(n):  # the others stay put where they can
+    if perm[p] is None and devs[p] in free:
+      perm[p] = devs[p]
+      free.remove(devs[p])
+  for p in range(n):
+    if perm[p] is None:
+      perm[p] = free.pop(0)
+  mesh = mesh_lib.make_ep_mesh(perm)
+  out = {}
+  for name, a in rows.items():
+    moved = jax.device_put(a, NamedSharding(mesh, a.sharding.spec))
+    local = shards_by_device(moved)
+    out[name] = {d: local[d] for d in dst_of_src.values() if d in local}
+  return out
 
 
 def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, int, int]]):
@@ -117,6 +150,14 @@ def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, i
       dst_idx[dp] = dr
     rows = stepset[f"extract_{group}"](tree, jax.device_put(src_idx, wsh))
     new_rows = {}
+    if jax.process_count() > 1:  # no cross-host device_put: a permuting reshard instead
+      routed = route_rows(rows, {sp: devs[dp] for sp, _, dp, _ in rnd}, devs)
+      for name, r in rows.items():
+        moved_bytes += len(rnd) * (r.nbytes // n)
+        new_rows[name] = reassemble(r, rows_abs[name].sharding, rows_abs[name].shape,
+                                    routed[name])
+      tree = stepset[f"insert_{group}"](tree, new_rows, jax.device_put(dst_idx, wsh))
+      continue
     for name, r in rows.items():
       by_dev = shards_by_device(r)
       bufs = {}

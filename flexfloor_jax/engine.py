@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from flexfloor_jax import distributed
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
@@ -348,7 +349,12 @@ class StepCache:
   def prefetch(self, sizes: Sequence[int]):
     for n in sizes:
       if n not in self._futures and n not in self._sets:
-        self._futures[n] = self._pool.submit(self._build, n)
+        if jax.process_count() > 1:
+          # Multi-controller: warm-up and mover setup run collectives, which must be issued in
+          # the same order on every process: build in the caller's thread, in order.
+          self._sets[n] = self._build(n)
+        else:
+          self._futures[n] = self._pool.submit(self._build, n)
 
   def get(self, n: int) -> StepSet:
     if n not in self._sets:
@@ -404,6 +410,7 @@ class Engine:
     self.compiles_after_start = 0
     self._pending_release_t0: Optional[float] = None
     self.release_latencies: list[float] = []
+    self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
 
   # -- setup
   @property
@@ -437,6 +444,11 @@ class Engine:
   def _pos(self, worker: int) -> int:
     return self.active.index(worker)
 
+  def _read(self, *arrays) -> list:
+    """Host values of device arrays, the same on every process (multi-controller: gathered,
+    and passed through the key-value store to processes whose workers were all released)."""
+    return distributed.host_values(arrays)
+
   # -- steps
   def prefill(self, assign: Sequence[tuple[int, int, int]]):
     ss, n = self.stepset, len(self.active)
@@ -460,10 +472,11 @@ class Engine:
         self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
         jax.device_put(tokens, w2), put(lengths), put(slot), put(limit), put(eos), put(phash),
         put(samp), self._scalar(self.seed), self._scalar(self.epoch))
-    self.expert_counts += np.asarray(counts)
+    self.expert_counts += self._read(counts)[0]
     if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
       jax.block_until_ready(self.state)
       self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+      self.release_sizes.append(len(self.active))
       self._pending_release_t0 = None
     return self._collect_finishes()
 
@@ -477,9 +490,11 @@ class Engine:
                          self.state, self._scalar(1), put(stop_on_refill), put(stop_on_idle))
       jax.block_until_ready(out)
       self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+      self.release_sizes.append(len(self.active))
       self._pending_release_t0 = None
       self.cache_k, self.cache_v, self.state, steps, counts = out
-      self.expert_counts += np.asarray(counts)
+      steps, counts = self._read(steps, counts)
+      self.expert_counts += counts
       total = int(steps)
       finishes = self._collect_finishes()
       if total == 0 or max_steps == 1 or self._stop_fired(finishes, stop_on_refill, stop_on_idle):
@@ -488,7 +503,8 @@ class Engine:
     self.cache_k, self.cache_v, self.state, steps, counts = ss["decode"](
         self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
         self._scalar(max_steps), put(stop_on_refill), put(stop_on_idle))
-    self.expert_counts += np.asarray(counts)
+    steps, counts = self._read(steps, counts)
+    self.expert_counts += counts
     return total + int(steps), finishes + self._collect_finishes()
 
   def _stop_fired(self, finishes, stop_on_refill, stop_on_idle) -> bool:
@@ -504,15 +520,14 @@ class Engine:
 
   def _collect_finishes(self):
     """Finished sequences since the last call: read the small per-slot arrays once."""
-    live = np.asarray(self.state["live"])
+    live, = self._read(self.state["live"])
     b = self.spec.slots_per_worker
     done = [(w, s, sid) for (w, s), sid in self._slot_seq.items()
             if not live[self._pos(w) * b + s]]
     if not done:
       return []
-    n_gen = np.asarray(self.state["n_gen"])
-    toks = np.asarray(self.state["out_tokens"])
-    lps = np.asarray(self.state["out_logprobs"])
+    n_gen, toks, lps = self._read(self.state["n_gen"], self.state["out_tokens"],
+                                  self.state["out_logprobs"])
     eos = self.spec.cfg.eos_id
     out = []
     from flexfloor_jax.policy.controller import Finish
@@ -585,6 +600,13 @@ class Engine:
         for sp, sslot, _, _ in rnd:
           idx[sp] = sslot
         rows = old_ss["extract_experts"](experts, jax.device_put(idx, wsh))
+        if jax.process_count() > 1:  # no cross-host device_put: a permuting reshard instead
+          routed = elastic.route_rows(rows, {sp: self.devices[dw] for sp, _, dw, _ in rnd},
+                                      devs_old)
+          for sp, _, dw, ds in rnd:
+            moved_bytes += sum(a.nbytes // len(devs_old) for a in rows.values())
+            pieces.append((dw, ds, {name: r.get(self.devices[dw]) for name, r in routed.items()}))
+          continue
         for sp, _, dw, ds in rnd:
           bufs = {}
           for name, arr in rows.items():
@@ -617,7 +639,8 @@ class Engine:
       for name in rows_abs:
         bufs = {}
         for dw, ds, b in rnd:
-          bufs[devs_new[new_pos[dw]]] = b[name]
+          if b[name] is not None:  # None: the destination is another process's device
+            bufs[devs_new[new_pos[dw]]] = b[name]
         row_tree[name] = elastic.reassemble(dummy[name], rows_abs[name].sharding,
                                             rows_abs[name].shape, bufs)
       for dw, ds, _ in rnd:
@@ -627,7 +650,7 @@ class Engine:
     self.experts = experts
     self.active = new_active
     self.set_placement(new_placement)
-    jax.block_until_ready((self.experts, self.cache_k, self.state))
+    # No host sync here: the movers and the first step on the new mesh queue back to back.
     self._pending_release_t0 = t0
     return {"released": released, "expert_bytes_moved": int(moved_bytes),
             "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}

@@ -10,7 +10,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from flexfloor_jax.cli import emulate_cpu_devices, fail
+from flexfloor_jax import distributed
+from flexfloor_jax.cli import emulate_cpu_devices, fail, process_log
 
 
 def _unknown_override(err: Exception) -> None:
@@ -33,6 +34,7 @@ except (AttributeError, KeyError) as e:
   _unknown_override(e)
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
+_DIST_FLAGS = distributed.define_flags()
 
 
 def _parse_flags(argv):
@@ -65,7 +67,9 @@ def main(argv):
     config.mesh  # noqa: B018  a config file that failed to load raises on first access
   except OSError as e:  # missing or unreadable config file (ml_collections defers the error)
     _config_file_error(e)
-  emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)
+  emulate_cpu_devices(_CPU_DEVICES.value or distributed.local_cpu_devices()
+                      or config.mesh.cpu_devices)
+  distributed.initialize_from_flags(_DIST_FLAGS)  # no-op unless multi-process is configured
   from flexfloor_jax import runner
   from flexfloor_jax.cli import enable_compilation_cache
   enable_compilation_cache()
@@ -74,7 +78,8 @@ def main(argv):
   except runner.RolloutError as e:
     fail(str(e))
   s = res.summary
-  print(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "
+  log = process_log(config.rollout.output_dir)
+  log(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "
         f"{s['device_steps']} device-steps, tokens/device-step {s['tokens_per_device_step']:.3f}, "
         f"idle after finish {s['idle_after_finish_fraction']:.3f}, slot utilization "
         f"{s['slot_utilization']:.3f}, {s['throughput_tokens_per_s']:.1f} tokens/s; "

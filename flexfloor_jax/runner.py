@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import accounting, planner, scheduler, workload
+from flexfloor_jax.policy import accounting, plan, planner, scheduler, workload
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.jsonl import iter_jsonl
@@ -186,7 +186,9 @@ def model_bytes(model_cfg, config) -> tuple[int, int, int]:
 def memory_budget_bytes(config, devices) -> int:
   if config.mesh.device_memory_gb > 0:
     return int(config.mesh.device_memory_gb * 2**30)
-  stats = devices[0].memory_stats() or {}
+  import jax
+  local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
+  stats = local[0].memory_stats() or {}
   if "bytes_limit" in stats:
     return int(stats["bytes_limit"])
   return 16 * 2**30  # CPU reports none: a 16 GB accelerator
@@ -264,23 +266,13 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       raise RolloutError(f"scheduler.history_path: {err}") from None
 
   # -- placement (host policy)
-  workers = list(range(n))
-  chain = workers
-  if flex and config.scheduler.get("placement", "auto") != "static":
-    queues, pred_by_seq, _ = scheduler.flexfloor_schedule(
-        seqs, history, chain, b, floor=floor, steps_per_dispatch=r.steps_per_dispatch,
-        seed=r.epoch)
-    predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
-    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(chain),
-                                   compaction=bool(config.scheduler.compaction),
-                                   predicted=pred_by_seq)
-  else:
-    predicted = scheduler.predict(history, seqs)
-    queues = scheduler.static_placement(seqs, workers)
-    # flexfloor with static placement = release alone (no migration, no work stealing).
-    policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else n, chain=list(chain),
-                                   compaction=False, steal=False,
-                                   predicted={s.seq_id: float(p) for s, p in zip(seqs, predicted)})
+  chain = list(range(n))  # release order: workers leave from the head
+  queues, policy, pred_by_seq = plan.plan_rollout(
+      seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
+      placement=config.scheduler.get("placement", "auto"),
+      compaction=bool(config.scheduler.compaction),
+      epoch=r.epoch)
+  predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
   # -- params (loaded only now: all input checks passed)
@@ -310,14 +302,15 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   # The executables of the smaller meshes compile in a background thread. Either wait for them
   # (reproducible releases: benchmarks, tests) or start at once and never release onto a mesh
   # whose executable is not ready yet: a release never waits for a compile.
-  if r.wait_compiles:
+  multi = jax.process_count() > 1  # multi-controller: every process runs this same loop
+  if r.wait_compiles or multi:  # (a timing-dependent floor would split the processes' plans)
     eng.steps.wait_all()
   elif flex:
     policy = _ReadyFloor(policy, eng.steps, n)
   setup_s = time.perf_counter() - t_setup
 
   from flexfloor_jax.policy import controller
-  bar = _progress(len(seqs), progress)
+  bar = _progress(len(seqs), progress and jax.process_index() == 0)
   try:
     record = controller.run(seqs, queues, _ProgressExecutor(eng, bar), policy,
                             steps_per_dispatch=r.steps_per_dispatch)
@@ -341,6 +334,16 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
+    # Emulated devices share the host's cores, so a step costs more on a bigger mesh: also compare
+    # each release with the median decode step of the mesh it released onto.
+    by_size: dict[int, list[float]] = {}
+    for x in record.timeline.steps:
+      if x["kind"] == "decode" and x["num_steps"] > 0:
+        by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
+    ratios = [lat / float(np.median(by_size[k])) for lat, k in
+              zip(eng.release_latencies, eng.release_sizes) if k in by_size]
+    m["decode_step_median_s_by_size"] = {str(k): float(np.median(v)) for k, v in by_size.items()}
+    m["release_latency_over_step_on_new_mesh"] = ratios
   responses = []
   for s in seqs:
     o = eng.outputs[s.seq_id]
@@ -351,7 +354,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   m = jsonable(m)
   history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
   tl = record.timeline
-  if write_outputs:
+  if write_outputs and jax.process_index() == 0:  # multi-process: process 0 writes outputs
     out = r.output_dir
     os.makedirs(out, exist_ok=True)
     atomic_write(os.path.join(out, "responses.jsonl"),

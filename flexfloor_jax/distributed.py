@@ -1,0 +1,174 @@
+"""Multi-controller JAX: `jax.distributed.initialize` from flags or the environment.
+
+Sources, first match wins:
+- explicit arguments (the CLI flags --coordinator_address, --num_processes, --process_id);
+- FLEXFLOOR_COORDINATOR / FLEXFLOOR_NUM_PROCESSES / FLEXFLOOR_PROCESS_ID (set by
+  `python -m flexfloor_jax.launch`);
+- nothing given and a cluster JAX detects (TPU pod, SLURM, ...): `initialize()` with no arguments
+  (only when FLEXFLOOR_DISTRIBUTED=1 or a SLURM/TPU-pod environment is seen).
+On CPU the cross-process collectives are gloo (`jax_cpu_collectives_implementation`), set before
+initialize. Single process (nothing configured): a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+ENV_COORD = "FLEXFLOOR_COORDINATOR"
+ENV_NPROC = "FLEXFLOOR_NUM_PROCESSES"
+ENV_PID = "FLEXFLOOR_PROCESS_ID"
+ENV_DEVICES = "FLEXFLOOR_DEVICES_PER_PROCESS"  # emulated CPU devices per process (launch.py)
+
+_initialized = False
+
+
+def configured() -> bool:
+  """Will `initialize` start the multi-controller runtime (from the environment alone)?"""
+  return bool(os.environ.get(ENV_COORD)) or os.environ.get("FLEXFLOOR_DISTRIBUTED") == "1"
+
+
+def local_cpu_devices() -> Optional[int]:
+  v = os.environ.get(ENV_DEVICES)
+  return int(v) if v else None
+
+
+def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None) -> bool:
+  """Start jax.distributed if configured; returns True when running multi-process."""
+  global _initialized
+  if _initialized:
+    return True
+  coordinator_address = coordinator_address or os.environ.get(ENV_COORD) or None
+  if num_processes is None and os.environ.get(ENV_NPROC):
+    num_processes = int(os.environ[ENV_NPROC])
+  if process_id is None and os.environ.get(ENV_PID):
+    process_id = int(os.environ[ENV_PID])
+  auto = os.environ.get("FLEXFLOOR_DISTRIBUTED") == "1"
+  if coordinator_address is None and not auto:
+    return False
+  import jax
+  if _on_cpu():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if coordinator_address is None:  # TPU pod / SLURM: JAX detects the cluster
+    jax.distributed.initialize()
+  else:
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+  _initialized = True
+  return True
+
+
+def _on_cpu() -> bool:
+  plats = os.environ.get("JAX_PLATFORMS", "") or os.environ.get("JAX_PLATFORM_NAME", "")
+  if plats:
+    return plats.split(",")[0].strip() == "cpu"
+  try:  # no accelerator plugin installed: CPU
+    import importlib.util
+    return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
+                                                        "libtpu", "jax_rocm60_plugin"))
+  except Exception:  # noqa: BLE001
+    return True
+
+
+def process_index() -> int:
+  if not _initialized and "jax" not in sys.modules:
+    return int(os.environ.get(ENV_PID, 0) or 0)
+  import jax
+  return jax.process_index()
+
+
+def process_count() -> int:
+  if not _initialized and "jax" not in sys.modules:
+    return int(os.environ.get(ENV_NPROC, 1) or 1)
+  import jax
+  return jax.process_count()
+
+
+def is_primary() -> bool:
+  return process_index() == 0
+
+
+# ----------------------------------------------------------------------------- host reads
+
+_read_counter = 0
+_gather_fns: dict = {}
+
+
+def _identity(*a):
+  return a
+
+
+def multiprocess() -> bool:
+  import jax
+  return jax.process_count() > 1
+
+
+def host_values(arrays):
+  """The full host value of each (possibly sharded, possibly non-addressable) jax.Array, equal
+  on every process. Single process: np.asarray. Multi-process: one jitted identity gathers the
+  arrays to replicated over their mesh (a no-op on processes without a device in it); the lowest
+  process of the mesh publishes the values through the distributed key-value store to the
+  processes outside the mesh (their workers were all released), which read them from there.
+  Every process must call this in the same order (the control loop runs in lockstep)."""
+  import jax
+  import numpy as np
+  arrays = list(arrays)
+  if jax.process_count() == 1:
+    return [np.asarray(a) for a in arrays]
+  global _read_counter
+  _read_counter += 1
+  key = f"flexfloor/host/{_read_counter}"
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = arrays[0].sharding.mesh
+  ck = (mesh, len(arrays))
+  if ck not in _gather_fns:
+    rep = NamedSharding(mesh, P())
+    _gather_fns[ck] = jax.jit(_identity, out_shardings=tuple(rep for _ in arrays))
+  gathered = _gather_fns[ck](*arrays)
+  pid = jax.process_index()
+  inside = sorted({d.process_index for d in mesh.devices.reshape(-1)})
+  client = _kv_client()
+  if pid in inside:
+    out = [np.asarray(g.addressable_data(0)) for g in gathered]
+    if pid == inside[0] and len(inside) < jax.process_count():
+      client.key_value_set(key, _encode(out))
+    return out
+  return _decode(client.blocking_key_value_get(key, 600_000))
+
+
+def _kv_client():
+  from jax._src import distributed as jd
+  return jd.global_state.client
+
+
+def _encode(values) -> str:
+  import base64
+  import io
+  import numpy as np
+  buf = io.BytesIO()
+  np.savez(buf, *values)
+  return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _decode(s: str):
+  import base64
+  import io
+  import numpy as np
+  with np.load(io.BytesIO(base64.b64decode(s))) as z:
+    return [z[f"arr_{i}"] for i in range(len(z.files))]
+
+
+def define_flags():
+  """--coordinator_address / --num_processes / --process_id for a CLI (absl)."""
+  from absl import flags
+  return (flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port "
+                              "(default: $FLEXFLOOR_COORDINATOR; TPU pods/SLURM: detected)."),
+          flags.DEFINE_integer("num_processes", None, "Processes in the job."),
+          flags.DEFINE_integer("process_id", None, "This process's index."))
+
+
+def initialize_from_flags(defined) -> bool:
+  coord, nproc, pid = defined
+  return initialize(coord.value, nproc.value, pid.value)

@@ -1,0 +1,108 @@
+"""Multi-controller rollouts: 2 processes x 4 emulated CPU devices (gloo collectives over
+loopback, `python -m flexfloor_jax.launch`) give responses token-identical to one process with 8
+devices, for static and flexfloor; flexfloor's releases cross the host boundary (workers 0-3 live
+on process 0, 4-7 on process 1: process 0's workers are all released and its experts move to
+process 1, after which process 0 follows the control loop without devices, through the
+key-value store).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(REPO, ".jax_cache"))
+SMALL = ["--config.rollout.num_prompts=2", "--config.rollout.samples_per_prompt=8",
+         "--config.rollout.max_new_tokens=24", "--config.rollout.wait_compiles=True"]
+
+
+def _env() -> dict:
+  env = dict(os.environ)
+  env["FLEXFLOOR_JAX_CACHE"] = CACHE
+  env.pop("XLA_FLAGS", None)  # conftest sets 8 devices for this process; children set their own
+  for k in ("FLEXFLOOR_COORDINATOR", "FLEXFLOOR_NUM_PROCESSES", "FLEXFLOOR_PROCESS_ID",
+            "FLEXFLOOR_DEVICES_PER_PROCESS"):
+    env.pop(k, None)
+  env["PYTHONUNBUFFERED"] = "1"
+  return env
+
+
+def _run(cmd, timeout):
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, (proc.returncode, proc.stdout[-4000:], proc.stderr[-4000:])
+  return proc, time.perf_counter() - t0
+
+
+def _rollout(out, schedule, processes):
+  args = [sys.executable, "-m", "flexfloor_jax.rollout", "--config=configs/mixtral.py", *SMALL,
+          f"--config.schedule={schedule}", f"--config.rollout.output_dir={out}"]
+  if processes == 1:
+    return _run(args + ["--config.mesh.cpu_devices=8"], timeout=400)
+  launch = [sys.executable, "-m", "flexfloor_jax.launch", f"--num_processes={processes}",
+            "--devices_per_process=4", "--timeout=400", "--"]
+  return _run(launch + args, timeout=450)
+
+
+def _load(out):
+  with open(os.path.join(out, "responses.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  with open(os.path.join(out, "summary.json")) as f:
+    return rows, json.load(f)
+
+
+def test_launch_fails_when_a_child_fails(tmp_path):
+  code = ("import os, sys, time; i = int(os.environ['FLEXFLOOR_PROCESS_ID']); "
+          "print('hello', i, os.environ['FLEXFLOOR_NUM_PROCESSES']); "
+          "sys.exit(3) if i == 1 else time.sleep(60)")
+  t0 = time.perf_counter()
+  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.launch", "--num_processes=2",
+                         "--timeout=50", "--", sys.executable, "-c", code], cwd=REPO, env=_env(),
+                        capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 3, (proc.stdout, proc.stderr)
+  assert "[p0] hello 0 2" in proc.stdout and "[p1] hello 1 2" in proc.stdout
+  assert time.perf_counter() - t0 < 30  # process 0 was killed, not waited for
+
+
+def test_launch_timeout(tmp_path):
+  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.launch", "--num_processes=2",
+                         "--timeout=2", "--", sys.executable, "-c", "import time; time.sleep(60)"],
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 124 and "timeout" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["static", "flexfloor"])
+def test_two_processes_match_one(tmp_path, schedule):
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _, t1 = _rollout(one, schedule, 1)
+  proc, t2 = _rollout(two, schedule, 2)
+  print(f"{schedule}: 1 process {t1:.1f}s, 2 processes {t2:.1f}s")
+  ref, s1 = _load(one)
+  got, s2 = _load(two)
+  assert [(r["prompt_id"], r["sample"]) for r in got] == [(r["prompt_id"], r["sample"]) for r in ref]
+  for a, b in zip(ref, got):
+    assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
+    assert a["logprobs"] == b["logprobs"]
+  assert s2["generated_tokens"] == s1["generated_tokens"]
+  assert s2["device_steps"] == s1["device_steps"]
+  # only process 0 writes outputs; each process writes its own log
+  for k in (0, 1):
+    assert os.path.isfile(os.path.join(two, f"process_{k}.log"))
+  assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
+  assert [(r["workers"], r["final"]) for r in s2["releases"]] == \
+      [(r["workers"], r["final"]) for r in s1["releases"]]
+  if schedule == "flexfloor":
+    # workers 0-3 are process 0's devices, 4-7 process 1's
+    early = [r for r in s2["releases"] if not r["final"]]
+    released_early = {w for r in early for w in r["workers"]}
+    assert {0, 1, 2, 3} <= released_early, s2["releases"]  # all of process 0 released mid-run
+    assert any(r["stats"].get("expert_moves", 0) > 0 for r in early)  # experts moved p0 -> p1
+    released = {w for r in s2["releases"] for w in r["workers"]}
+    assert released & {0, 1, 2, 3} and released & {4, 5, 6, 7}
+    assert s2["device_steps"] < 8 * s2["makespan_steps"]  # process 0's devices left early
