@@ -13,7 +13,6 @@ initialize. Single process (nothing configured): a no-op.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Optional
 
 ENV_COORD = "FLEXFLOOR_COORDINATOR"
@@ -22,11 +21,6 @@ ENV_PID = "FLEXFLOOR_PROCESS_ID"
 ENV_DEVICES = "FLEXFLOOR_DEVICES_PER_PROCESS"  # emulated CPU devices per process (launch.py)
 
 _initialized = False
-
-
-def configured() -> bool:
-  """Will `initialize` start the multi-controller runtime (from the environment alone)?"""
-  return bool(os.environ.get(ENV_COORD)) or os.environ.get("FLEXFLOOR_DISTRIBUTED") == "1"
 
 
 def local_cpu_devices() -> Optional[int]:
@@ -72,24 +66,6 @@ def _on_cpu() -> bool:
     return True
 
 
-def process_index() -> int:
-  if not _initialized and "jax" not in sys.modules:
-    return int(os.environ.get(ENV_PID, 0) or 0)
-  import jax
-  return jax.process_index()
-
-
-def process_count() -> int:
-  if not _initialized and "jax" not in sys.modules:
-    return int(os.environ.get(ENV_NPROC, 1) or 1)
-  import jax
-  return jax.process_count()
-
-
-def is_primary() -> bool:
-  return process_index() == 0
-
-
 # ----------------------------------------------------------------------------- host reads
 
 _read_counter = 0
@@ -98,11 +74,6 @@ _gather_fns: dict = {}
 
 def _identity(*a):
   return a
-
-
-def multiprocess() -> bool:
-  import jax
-  return jax.process_count() > 1
 
 
 def host_values(arrays):
