@@ -19,7 +19,6 @@ timeline: what `python -m flexfloor_jax.sim --calibrate=... --predict=...` reads
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -72,52 +71,6 @@ def run_config(config, variant: dict, epoch: int):
   c.rollout.epoch = int(epoch)
   c.rollout.wait_compiles = True
   return c
-
-
-# ----------------------------------------------------------------------------- compiled steps
-
-
-class StepCachePool:
-  """Reuses engine.StepCache across runs whose EngineSpec, devices and release chain are the same
-  (static and flexfloor differ in expert slots per worker, so each gets its own).
-
-  runner.run builds its StepCache itself (engine.Engine calls engine.StepCache(spec, devices,
-  chain, ...)) and accepts one only ready-made, which would mean rebuilding its EngineSpec here.
-  Instead, while `installed()`, engine.StepCache is a factory keyed by exactly the arguments the
-  engine passes, so a cache is only ever shared between identical specs."""
-
-  def __init__(self, engine_lib):
-    self._lib, self._cls = engine_lib, engine_lib.StepCache
-    self._caches: dict = {}
-    self.hits = self.misses = 0
-
-  def _key(self, spec, devices, chain, rest_abs, exp_abs):
-    import jax
-    shapes = lambda t: tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t))
-    return (spec, tuple(d.id for d in devices), tuple(chain), str(jax.tree.structure(rest_abs)),
-            shapes(rest_abs), shapes(exp_abs))
-
-  def _make(self, spec, devices, chain, rest_abs, exp_abs):
-    key = self._key(spec, devices, chain, rest_abs, exp_abs)
-    c = self._caches.get(key)
-    if c is None:
-      self.misses += 1
-      c = self._caches[key] = self._cls(spec, devices, chain, rest_abs, exp_abs)
-    else:
-      self.hits += 1
-      pool = getattr(c, "_pool", None)  # the runner closes caches it did not get passed
-      if pool is not None and getattr(pool, "_shutdown", False):
-        import concurrent.futures
-        c._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    return c
-
-  @contextlib.contextmanager
-  def installed(self):
-    self._lib.StepCache = self._make
-    try:
-      yield self
-    finally:
-      self._lib.StepCache = self._cls
 
 
 # ----------------------------------------------------------------------------- one epoch
@@ -184,7 +137,7 @@ def run_bench(config, *, progress: bool = True):
   if config.roofline_hardware not in sim.HARDWARE:
     raise runner.RolloutError(f"roofline_hardware must be one of {sorted(sim.HARDWARE)}, got "
                               f"{config.roofline_hardware!r}")
-  pool = StepCachePool(engine_lib)
+  pool = engine_lib.StepCachePool(engine_lib)
   hw = sim.HARDWARE[config.roofline_hardware]
   history = scheduler.LengthHistory()
   names = [n for n, _ in variants(config)]
@@ -325,21 +278,14 @@ def format_table(doc: dict) -> str:
     lines.append(fmt_row([k, "flexfloor/static", tp] + [
         cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
         + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
-    if "ratio_release_only" in ep:
-      r = ep["ratio_release_only"]
-      lines.append(fmt_row([k, "release_only/static", format(r["tokens_per_device_step"], ".3f")]
-                           + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
-                           + [cell(r, "roofline_tokens_per_device_second", ".3f"),
-                              format(ep["release_only_ceiling"], ".3f"),
-                              format(ep["release_only_of_ceiling"], ".3f")]))
-    if "ratio_release_compaction" in ep:
-      r = ep["ratio_release_compaction"]
-      lines.append(fmt_row([k, "release_compaction/static",
-                            format(r["tokens_per_device_step"], ".3f")]
-                           + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
-                           + [cell(r, "roofline_tokens_per_device_second", ".3f"),
-                              format(ep["release_only_ceiling"], ".3f"),
-                              format(ep["release_compaction_of_ceiling"], ".3f")]))
+    for name in ("release_only", "release_compaction"):  # placement unchanged: vs the ceiling
+      if f"ratio_{name}" in ep:
+        r = ep[f"ratio_{name}"]
+        lines.append(fmt_row([k, f"{name}/static", format(r["tokens_per_device_step"], ".3f")]
+                             + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
+                             + [cell(r, "roofline_tokens_per_device_second", ".3f"),
+                                format(ep["release_only_ceiling"], ".3f"),
+                                format(ep[f"{name}_of_ceiling"], ".3f")]))
   return "\n".join(lines)
 
 

@@ -12,8 +12,11 @@ Per-slot device state (leading axis N*B, sharded over workers):
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -333,7 +336,6 @@ class StepCache:
 
   def __init__(self, spec: EngineSpec, devices: Sequence[jax.Device], chain: Sequence[int],
                rest_abstract, experts_abstract):
-    import concurrent.futures
     self.spec, self.devices, self.chain = spec, list(devices), list(chain)
     self._abs = (rest_abstract, experts_abstract)
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
@@ -373,6 +375,48 @@ class StepCache:
   def close(self):
     """Drop compiles not started yet (the one in flight finishes: XLA can't be interrupted)."""
     self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class StepCachePool:
+  """Reuses engine.StepCache across runs whose EngineSpec, devices and release chain are the same
+  (static and flexfloor differ in expert slots per worker, so each gets its own).
+
+  runner.run builds its StepCache itself (engine.Engine calls engine.StepCache(spec, devices,
+  chain, ...)) and accepts one only ready-made, which would mean rebuilding its EngineSpec here.
+  Instead, while `installed()`, engine.StepCache is a factory keyed by exactly the arguments the
+  engine passes, so a cache is only ever shared between identical specs."""
+
+  def __init__(self, engine_lib=None):
+    engine_lib = engine_lib or sys.modules[__name__]
+    self._lib, self._cls = engine_lib, engine_lib.StepCache
+    self._caches: dict = {}
+    self.hits = self.misses = 0
+
+  def _key(self, spec, devices, chain, rest_abs, exp_abs):
+    shapes = lambda t: tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t))
+    return (spec, tuple(d.id for d in devices), tuple(chain), str(jax.tree.structure(rest_abs)),
+            shapes(rest_abs), shapes(exp_abs))
+
+  def _make(self, spec, devices, chain, rest_abs, exp_abs):
+    key = self._key(spec, devices, chain, rest_abs, exp_abs)
+    c = self._caches.get(key)
+    if c is None:
+      self.misses += 1
+      c = self._caches[key] = self._cls(spec, devices, chain, rest_abs, exp_abs)
+    else:
+      self.hits += 1
+      pool = getattr(c, "_pool", None)  # the runner closes caches it did not get passed
+      if pool is not None and getattr(pool, "_shutdown", False):
+        c._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    return c
+
+  @contextlib.contextmanager
+  def installed(self):
+    self._lib.StepCache = self._make
+    try:
+      yield self
+    finally:
+      self._lib.StepCache = self._cls
 
 
 class Engine:
@@ -474,10 +518,7 @@ class Engine:
         put(samp), self._scalar(self.seed), self._scalar(self.epoch))
     self.expert_counts += self._read(counts)[0]
     if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
-      jax.block_until_ready(self.state)
-      self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
-      self.release_sizes.append(len(self.active))
-      self._pending_release_t0 = None
+      self._first_output_on_new_mesh(self.state)
     return self._collect_finishes()
 
   def decode(self, max_steps: int, stop_on_refill, stop_on_idle):
@@ -488,10 +529,7 @@ class Engine:
       # First step on a new mesh alone, to time release decision -> first output.
       out = ss["decode"](self.rest, self.experts, self.e2s, self.cache_k, self.cache_v,
                          self.state, self._scalar(1), put(stop_on_refill), put(stop_on_idle))
-      jax.block_until_ready(out)
-      self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
-      self.release_sizes.append(len(self.active))
-      self._pending_release_t0 = None
+      self._first_output_on_new_mesh(out)
       self.cache_k, self.cache_v, self.state, steps, counts = out
       steps, counts = self._read(steps, counts)
       self.expert_counts += counts
@@ -506,6 +544,13 @@ class Engine:
     steps, counts = self._read(steps, counts)
     self.expert_counts += counts
     return total + int(steps), finishes + self._collect_finishes()
+
+  def _first_output_on_new_mesh(self, out):
+    """Release decision -> first output on the new mesh (block_until_ready), recorded once."""
+    jax.block_until_ready(out)
+    self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+    self.release_sizes.append(len(self.active))
+    self._pending_release_t0 = None
 
   def _stop_fired(self, finishes, stop_on_refill, stop_on_idle) -> bool:
     """Would the device loop have stopped after this step? (Same rule as _decode_local.)"""

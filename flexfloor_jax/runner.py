@@ -321,8 +321,13 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
   # -- results
   m = record.metrics()
-  per_step = [(x["t1"] - x["t0"]) / x["num_steps"] for x in record.timeline.steps
-              if x["kind"] == "decode" and x["num_steps"] > 0]
+  # Decode seconds per step, by active-group size: emulated devices share the host's cores, so a
+  # step costs more on a bigger mesh.
+  by_size: dict[int, list[float]] = {}
+  for x in record.timeline.steps:
+    if x["kind"] == "decode" and x["num_steps"] > 0:
+      by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
+  per_step = [t for v in by_size.values() for t in v]
   m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
   actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
   m["prediction"] = scheduler.prediction_quality(predicted, actual) if len(history) else None
@@ -334,12 +339,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
-    # Emulated devices share the host's cores, so a step costs more on a bigger mesh: also compare
-    # each release with the median decode step of the mesh it released onto.
-    by_size: dict[int, list[float]] = {}
-    for x in record.timeline.steps:
-      if x["kind"] == "decode" and x["num_steps"] > 0:
-        by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
+    # also each release against the median decode step of the mesh it released onto
     ratios = [lat / float(np.median(by_size[k])) for lat, k in
               zip(eng.release_latencies, eng.release_sizes) if k in by_size]
     m["decode_step_median_s_by_size"] = {str(k): float(np.median(v)) for k, v in by_size.items()}

@@ -153,8 +153,8 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
 def test_cpu_preset_fitted_on_one_workload_predicts_another():
   """Two real rollouts on different workloads (seeds): the cpu preset fitted on the first
   predicts the second's device_steps exactly (same policy code) and wall time within 25%."""
-  from flexfloor_jax import bench, engine
-  pool = bench.StepCachePool(engine)
+  from flexfloor_jax import engine
+  pool = engine.StepCachePool(engine)
   a = _rollout(pool, seed=0)
   b = _rollout(pool, seed=1)
   assert a["lengths"] != b["lengths"]
