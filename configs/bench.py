@@ -6,23 +6,13 @@ output_dir, epochs, repeats, release_only, roofline_hardware. Override any
 field with --config.section.field=value.
 """
 
-import importlib.util
-import os
-
 import ml_collections
 
-
-def _mixtral():
-  """configs/mixtral.py loaded by path (config_flags loads configs as files, not as a package)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mixtral.py")
-  spec = importlib.util.spec_from_file_location("_flexfloor_configs_mixtral", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+from flexfloor_jax.cli import load_config
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-  c = _mixtral().get_config(preset or "tiny")
+  c = load_config("mixtral", preset or "tiny")
   # The runner's flexfloor placement: 'auto' = length-aware scheduler, 'static' = the baseline's
   # contiguous chunks with release on (the "release alone" measurement). The bench sets it per run.
   c.scheduler.placement = "auto"

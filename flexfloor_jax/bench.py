@@ -42,13 +42,7 @@ TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("slot_utilization",
 
 def get_bench_config(preset: str = "tiny"):
   """configs/bench.py's get_config() (loaded by path, as config_flags loads it)."""
-  import importlib.util
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                      "bench.py")
-  spec = importlib.util.spec_from_file_location("_flexfloor_configs_bench", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(preset)
+  return cli.load_config("bench", preset)
 
 
 def variants(config) -> list[tuple[str, dict]]:

@@ -10,6 +10,18 @@ def fail(msg: str) -> None:
   sys.exit(2)
 
 
+def load_config(name: str, preset: str = ""):
+  """get_config(preset) of configs/<name>.py, loaded by path as config_flags loads config files
+  (configs/ is a folder of files, not a package)."""
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"_flexfloor_configs_{name}", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.get_config(preset)
+
+
 def enable_compilation_cache() -> None:
   """JAX's persistent compilation cache: a second run skips most compiles."""
   import jax

@@ -1,0 +1,123 @@
+"""SFT warm start: `python -m flexfloor_jax.rl.sft --config=configs/grpo.py`.
+
+Teacher forcing on the built-in tasks (prompt -> answer + EOS, loss on the answer tokens only),
+optax AdamW, one device (the dense reference MoE: same math as the ep path, simplest to
+differentiate). Saves an orbax checkpoint (model.checkpoint.save_orbax) at
+<sft.output_dir>/checkpoint, then samples one rollout of the RL prompt set with it (runner.run,
+the config's sampling) and reports the mean reward to <sft.output_dir>/sft_metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.rl import tasks as tasks_lib
+
+
+def make_examples(config, tokenizer):
+  """(tokens [N, T], loss mask [N, T-1]) of the SFT pool; T = longest example rounded to 8."""
+  s = config.sft
+  rows = tasks_lib.make_prompts(config.rl.tasks, s.num_prompts, s.seed + 1000, config.rl.task_size)
+  seqs = []
+  for r in rows:
+    p = tokenizer.encode(r["prompt"], add_bos=True)
+    a = tokenizer.encode(r["answer"]) + [tokenizer.eos_id]
+    seqs.append((p, a))
+  t = -(-max(len(p) + len(a) for p, a in seqs) // 8) * 8
+  toks = np.full((len(seqs), t), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(seqs), t - 1), bool)
+  for i, (p, a) in enumerate(seqs):
+    toks[i, :len(p) + len(a)] = p + a
+    mask[i, len(p) - 1:len(p) + len(a) - 1] = True
+  return toks, mask
+
+
+def sft(config, *, progress: bool = False) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from flexfloor_jax import runner
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model import transformer as tfm
+  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.tokenizer import ByteTokenizer
+
+  s = config.sft
+  cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)
+  tok = ByteTokenizer()
+  toks, mask = make_examples(config, tok)
+  params = tfm.init_params(cfg, jax.random.key(config.model.init_seed),
+                           scale=config.model.init_scale)
+  opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, s.lr, max(1, s.steps // 20),
+                                                       max(2, s.steps)),
+                    weight_decay=s.weight_decay)
+  opt_state = opt.init(params)
+
+  def loss_fn(p, t, m):
+    logits, _ = tfm.forward(p, cfg, t, valid_BT=t != tok.pad_id)
+    lp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+    nll = -jnp.take_along_axis(lp, t[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(jnp.where(m, nll, 0.0)) / jnp.maximum(jnp.sum(m), 1)
+
+  @jax.jit
+  def step(p, o, t, m):
+    loss, g = jax.value_and_grad(loss_fn)(p, t, m)
+    u, o = opt.update(g, o, p)
+    return optax.apply_updates(p, u), o, loss
+
+  rng = np.random.default_rng(s.seed)
+  losses = []
+  t0 = time.perf_counter()
+  for i in range(s.steps):
+    idx = rng.choice(len(toks), s.batch_size, replace=False)
+    params, opt_state, loss = step(params, opt_state, jnp.asarray(toks[idx]),
+                                   jnp.asarray(mask[idx]))
+    losses.append(float(loss))
+    if progress and (i % 25 == 0 or i == s.steps - 1):
+      print(f"sft step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+  train_s = time.perf_counter() - t0
+  path = os.path.join(s.output_dir, "checkpoint")
+  ckpt.save_orbax(path, params, cfg)
+
+  # Reward of the saved model on the RL prompt set (one rollout, the config's sampling).
+  rows = tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts, config.rl.prompt_seed,
+                                config.rl.task_size)
+  c = config.copy_and_resolve_references()
+  c.rollout.prompts = os.path.join(s.output_dir, "eval_prompts.jsonl")
+  c.rollout.output_dir = s.output_dir
+  tasks_lib.write_prompts_jsonl(rows, c.rollout.prompts)
+  res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
+                   progress=False)
+  reward_fn = tasks_lib.load_reward_fn(config.rl.reward_fn)
+  by_id = {r["id"]: r for r in rows}
+  rewards = [float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in res.responses]
+  out = {"steps": s.steps, "final_loss": float(np.mean(losses[-10:])), "first_loss": losses[0],
+         "train_seconds": train_s, "checkpoint": path,
+         "eval/score/mean": float(np.mean(rewards)),
+         "eval/exact_match": float(np.mean([r == 1.0 for r in rewards])),
+         "eval/response_length/mean": float(np.mean([r["num_tokens"] for r in res.responses]))}
+  atomic_write(os.path.join(s.output_dir, "sft_metrics.json"), json.dumps(out, indent=2))
+  return out
+
+
+def main(argv):
+  del argv
+  from flexfloor_jax.rl import cli as rl_cli
+  config = rl_cli.config_value()
+  from flexfloor_jax.cli import enable_compilation_cache
+  enable_compilation_cache()
+  out = sft(config, progress=True)
+  print(f"sft: loss {out['first_loss']:.3f} -> {out['final_loss']:.3f} in "
+        f"{out['train_seconds']:.0f}s; reward {out['eval/score/mean']:.3f} (exact "
+        f"{out['eval/exact_match']:.3f}); checkpoint {out['checkpoint']}")
+
+
+if __name__ == "__main__":
+  from flexfloor_jax.rl import cli as _cli
+  _cli.run(main)

@@ -1,0 +1,354 @@
+"""GRPO on the elastic rollout: `python -m flexfloor_jax.rl.train --config=configs/grpo.py`.
+
+Each step: rollout (runner.run with the current params, schedule from the config, group size =
+rollout.samples_per_prompt, lengths='model', the length history passed in and updated) -> rewards
+-> group-normalised advantages -> log-probs recomputed by the training forward on all devices ->
+clipped PG + optional KL (k3) + MoE aux loss -> grad clip + AdamW -> weight sync (params
+replicated for the next rollout, timed as timing_s/update_weights).
+
+Checkpoints: <output_dir>/checkpoints/step_<k>/ holds state/ (orbax: params, opt_state) and
+meta.json (step, sampling seed, length history), written last: a checkpoint without meta.json is
+incomplete and ignored. A restart resumes from the newest complete one; its length history wins
+over <output_dir>/history.json, and metrics.jsonl rows after it are dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Optional
+
+import numpy as np
+
+from flexfloor_jax.policy import scheduler
+from flexfloor_jax.policy.accounting import jsonable
+from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.rl import tasks as tasks_lib
+from flexfloor_jax.rl.loss import group_advantages
+
+# Metrics that must be bitwise equal between an interrupted-and-resumed run and a straight one.
+DETERMINISTIC_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min",
+                      "response_length/mean", "response_length/max", "response_length/clip_ratio",
+                      "actor/pg_loss", "actor/kl", "actor/grad_norm", "actor/aux_loss",
+                      "actor/pg_clipfrac", "actor/loss", "rollout/tokens_sha1")
+
+
+class TrainError(ValueError):
+  pass
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _ckpt_root(config) -> str:
+  return os.path.join(config.output_dir, "checkpoints")
+
+
+def latest_checkpoint(config) -> Optional[tuple[int, str]]:
+  root = _ckpt_root(config)
+  if not os.path.isdir(root):
+    return None
+  best = None
+  for name in os.listdir(root):
+    if name.startswith("step_") and os.path.isfile(os.path.join(root, name, "meta.json")):
+      k = int(name[5:])
+      if best is None or k > best[0]:
+        best = (k, os.path.join(root, name))
+  return best
+
+
+def save_checkpoint(config, step: int, params, opt_state, history) -> str:
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(os.path.join(_ckpt_root(config), f"step_{step}"))
+  if os.path.exists(path):
+    shutil.rmtree(path)
+  os.makedirs(path)
+  ck = ocp.StandardCheckpointer()
+  ck.save(os.path.join(path, "state"), {"params": params, "opt_state": opt_state})
+  ck.wait_until_finished()
+  ck.close()
+  meta = {"step": step, "sampling_seed": int(config.sampling.seed),
+          "history": {p: {str(e): v for e, v in d.items()} for p, d in history.data.items()}}
+  atomic_write(os.path.join(path, "meta.json"), json.dumps(meta), durable=True)
+  return path
+
+
+def load_checkpoint(path: str, params_abs, opt_abs):
+  import orbax.checkpoint as ocp
+  ck = ocp.StandardCheckpointer()
+  try:
+    state = ck.restore(os.path.join(os.path.abspath(path), "state"),
+                       {"params": params_abs, "opt_state": opt_abs})
+  finally:
+    ck.close()
+  with open(os.path.join(path, "meta.json")) as f:
+    meta = json.load(f)
+  return state["params"], state["opt_state"], meta
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _read_metrics(path: str) -> list[dict]:
+  if not os.path.isfile(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      line = line.strip()
+      if line:
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line from a kill: dropped
+          break
+  return rows
+
+
+def _append_metrics(path: str, row: dict) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(jsonable(row)) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def plot_metrics(rows: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  if not rows:
+    return
+  x = [r["step"] for r in rows]
+  fig, ax = plt.subplots(1, 3, figsize=(13, 3.4))
+  ax[0].plot(x, [r["critic/score/mean"] for r in rows], "o-")
+  ax[0].set_title("critic/score/mean")
+  ax[1].plot(x, [r["tokens_per_device_step"] for r in rows], "o-", label="tokens/device-step")
+  ax[1].plot(x, [r["idle_after_finish_fraction"] for r in rows], "s-", label="idle after finish")
+  ax[1].set_title("rollout efficiency")
+  ax[1].legend()
+  ax[2].plot(x, [r["response_length/mean"] for r in rows], "o-")
+  ax[2].set_title("response_length/mean")
+  for a in ax:
+    a.set_xlabel("step")
+  fig.tight_layout()
+  import io
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=90)
+  plt.close(fig)
+  atomic_write(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------------------- batch
+
+
+def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max: int,
+                num_workers: int):
+  """Right-padded [B', T] arrays (B' = B rounded up to the workers; padding rows are masked)."""
+  b = len(responses)
+  bp = -(-b // num_workers) * num_workers
+  toks = np.zeros((bp, t_max), np.int32)
+  valid = np.zeros((bp, t_max), bool)
+  mask = np.zeros((bp, t_max - 1), bool)
+  roll = np.zeros((bp, t_max - 1), np.float32)
+  for i, r in enumerate(responses):
+    p = prompt_tokens[r["prompt_id"]]
+    seq = list(p) + list(r["tokens"])
+    toks[i, :len(seq)] = seq
+    valid[i, :len(seq)] = True
+    n = len(r["tokens"])
+    mask[i, len(p) - 1:len(p) - 1 + n] = True
+    roll[i, len(p) - 1:len(p) - 1 + n] = r["logprobs"]
+  adv = np.zeros((bp,), np.float32)
+  adv[:b] = group_advantages(rewards, group_size)
+  return {"tokens": toks, "valid": valid, "mask": mask, "adv": adv}, roll
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -> list[dict]:
+  """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
+  `stop_after`: return after that step (tests: an in-process interruption)."""
+  import jax
+  import optax
+
+  from flexfloor_jax import mesh as mesh_lib
+  from flexfloor_jax import runner
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model import transformer as tfm
+  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.rl import actor as actor_lib
+  from flexfloor_jax.tokenizer import load_tokenizer
+
+  runner.validate_config(config)
+  if config.rollout.lengths != "model":
+    raise TrainError(f"rollout.lengths must be 'model' for RL (responses end at EOS), got "
+                     f"{config.rollout.lengths!r}")
+  out = config.output_dir
+  os.makedirs(out, exist_ok=True)
+  reward_fn = tasks_lib.load_reward_fn(config.rl.reward_fn)
+  rows = tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts, config.rl.prompt_seed,
+                                config.rl.task_size)
+  by_id = {r["id"]: r for r in rows}
+  prompts_path = os.path.join(out, "prompts.jsonl")
+  tasks_lib.write_prompts_jsonl(rows, prompts_path)
+
+  # -- model
+  if config.model.checkpoint:
+    try:
+      model_cfg, params = ckpt.load_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise TrainError(f"model.checkpoint: {e}") from None
+  else:
+    model_cfg = PRESETS[config.preset]
+    params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
+                             scale=config.model.init_scale)
+  model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  params = jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
+  tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
+  prompt_tokens = {r["id"]: tokenizer.encode(r["prompt"], add_bos=True) for r in rows}
+
+  devices = mesh_lib.select_devices(config.mesh.num_devices)
+  mesh = mesh_lib.make_ep_mesh(devices)
+  n = len(devices)
+  rl = config.rl
+  spec = actor_lib.ActorSpec(cfg=model_cfg, num_workers=n,
+                             temperature=config.sampling.temperature, tile_m=rl.tile_m,
+                             clip_eps=rl.clip_eps, kl_beta=rl.kl_beta, aux_coef=rl.aux_coef,
+                             moe_backend=config.model.moe_backend,
+                             interpret=config.model.moe_backend == "pallas"
+                             and jax.default_backend() == "cpu")
+  optimizer = optax.chain(optax.clip_by_global_norm(rl.grad_clip),
+                          optax.adamw(rl.lr, b1=rl.b1, b2=rl.b2, weight_decay=rl.weight_decay))
+  act = actor_lib.Actor(spec, mesh, optimizer)
+  params = actor_lib.shard_params(params, mesh)
+  ref_params = params if rl.kl_beta > 0 else None
+  # Moments follow the params' shardings; scalars (step counts) replicated on the mesh (so a
+  # restored state has the same shardings, and the update step compiles once).
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  psh = jax.tree.map(lambda x: x.sharding, params)
+  opt_state = optax.tree_map_params(optimizer, lambda x, sh: jax.device_put(x, sh),
+                                    optimizer.init(params), psh,
+                                    transform_non_params=lambda x: jax.device_put(x, rep))
+
+  # -- resume
+  history_path = config.scheduler.history_path or os.path.join(out, "history.json")
+  metrics_path = os.path.join(out, "metrics.jsonl")
+  start = 0
+  last = latest_checkpoint(config)
+  if last is not None:
+    abs_of = lambda t: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+    params, opt_state, meta = load_checkpoint(last[1], abs_of(params), abs_of(opt_state))
+    start = int(meta["step"])
+    history = scheduler.LengthHistory(meta["history"])  # the checkpoint's copy wins
+    history.save(history_path)
+    kept = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
+    atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
+  else:
+    history = scheduler.LengthHistory.load(history_path)
+    if os.path.exists(metrics_path):
+      os.unlink(metrics_path)
+
+  t_max = config.rollout.max_prompt_len + config.rollout.max_new_tokens
+  g = config.rollout.samples_per_prompt
+  pool = engine_lib.StepCachePool(engine_lib)  # compiled steps kept across the steps' rollouts
+  rollout_params = actor_lib.replicate(params, mesh)
+  for step in range(start + 1, config.steps + 1):
+    t_step = time.perf_counter()
+    c = config.copy_and_resolve_references()
+    c.rollout.prompts = prompts_path
+    c.rollout.epoch = step - 1
+    c.rollout.output_dir = out
+    with pool.installed():
+      t0 = time.perf_counter()
+      res = runner.run(c, devices=devices, params=rollout_params, model_cfg=model_cfg,
+                       tokenizer=tokenizer, write_outputs=False, history=history,
+                       progress=progress)
+      t_gen = time.perf_counter() - t0
+    history.save(history_path)
+    resp = res.responses
+    rewards = np.array([float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in resp])
+    lens = np.array([r["num_tokens"] for r in resp], float)
+    batch, roll_lp = build_batch(resp, prompt_tokens, rewards, g, t_max, n)
+
+    t0 = time.perf_counter()
+    old_lp = np.asarray(act.logprobs(params, batch["tokens"], batch["valid"]))
+    ref_lp = (np.asarray(act.logprobs(ref_params, batch["tokens"], batch["valid"]))
+              if ref_params is not None else old_lp)
+    t_lp = time.perf_counter() - t0
+    diff = np.abs(old_lp - roll_lp)[batch["mask"]]
+    batch["old_logp"], batch["ref_logp"] = old_lp, ref_lp
+    num_tokens = float(batch["mask"].sum())
+
+    t0 = time.perf_counter()
+    for _ in range(rl.updates_per_step):
+      params, opt_state, m = act.update(params, opt_state, batch, num_tokens)
+    m = {k: float(v) for k, v in jax.device_get(m).items()}
+    t_upd = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rollout_params = jax.block_until_ready(actor_lib.replicate(params, mesh))
+    t_sync = time.perf_counter() - t0
+
+    s = res.summary
+    row = {"step": step, "schedule": config.schedule,
+           "critic/score/mean": float(rewards.mean()), "critic/score/max": float(rewards.max()),
+           "critic/score/min": float(rewards.min()),
+           "critic/exact_match": float(np.mean(rewards == 1.0)),
+           "rollout/tokens_sha1": hashlib.sha1(json.dumps(
+               [[r["prompt_id"], r["sample"], list(map(int, r["tokens"]))] for r in resp]
+           ).encode()).hexdigest(),
+           "response_length/mean": float(lens.mean()), "response_length/max": float(lens.max()),
+           "response_length/clip_ratio": float(np.mean(
+               [r["finish_reason"] != "eos" for r in resp])),
+           "actor/pg_loss": m["pg_loss"], "actor/kl": m["kl"], "actor/grad_norm": m["grad_norm"],
+           "actor/aux_loss": m["aux_loss"], "actor/pg_clipfrac": m["pg_clipfrac"],
+           "actor/loss": m["loss"], "actor/lr": float(rl.lr),
+           "rollout/logprob_max_abs_diff": float(diff.max()) if diff.size else 0.0,
+           "timing_s/gen": t_gen, "timing_s/logprob": t_lp, "timing_s/update": t_upd,
+           "timing_s/update_weights": t_sync,
+           "tokens_per_device_step": s.get("tokens_per_device_step"),
+           "idle_after_finish_fraction": s.get("idle_after_finish_fraction"),
+           "device_steps": s.get("device_steps"), "generated_tokens": s.get("generated_tokens"),
+           "slot_utilization": s.get("slot_utilization"),
+           "occupied_device_seconds": s.get("occupied_device_seconds")}
+    if step % config.checkpoint_every == 0 or step == config.steps:
+      save_checkpoint(config, step, params, opt_state, history)
+    row["timing_s/step"] = time.perf_counter() - t_step
+    _append_metrics(metrics_path, row)
+    if progress:
+      print(f"step {step}: score {row['critic/score/mean']:.3f} len "
+            f"{row['response_length/mean']:.1f} pg {row['actor/pg_loss']:.4f} gnorm "
+            f"{row['actor/grad_norm']:.3f} tok/dev-step {row['tokens_per_device_step']:.3f} "
+            f"({row['timing_s/step']:.1f}s)", flush=True)
+    if stop_after is not None and step >= stop_after:
+      break
+  rows_out = _read_metrics(metrics_path)
+  plot_metrics(rows_out, os.path.join(out, "metrics.png"))
+  return rows_out
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv):
+  del argv
+  from flexfloor_jax.rl import cli as rl_cli
+  config = rl_cli.config_value()
+  from flexfloor_jax.cli import enable_compilation_cache, fail
+  enable_compilation_cache()
+  try:
+    rows = train(config, progress=True)
+  except (TrainError, ValueError) as e:
+    fail(str(e))
+  if rows:
+    print(f"{len(rows)} steps; last critic/score/mean {rows[-1]['critic/score/mean']:.3f}; "
+          f"metrics in {config.output_dir}/metrics.jsonl")
+
+
+if __name__ == "__main__":
+  from flexfloor_jax.rl import cli as _cli
+  _cli.run(main)

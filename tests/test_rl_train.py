@@ -1,0 +1,89 @@
+"""The GRPO loop (rl/train.py) on tiny sizes: metrics, checkpoints and history; a run killed
+with SIGKILL resumes from its last complete checkpoint (whose length history wins over a newer
+history file) with bitwise-equal deterministic metrics. (static == flexfloor step by step:
+test_rl_grpo.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flexfloor_jax.policy import scheduler
+from flexfloor_jax.rl import train
+
+from rl_utils import ROOT, grpo_config
+
+CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(ROOT, ".jax_cache"))
+
+VERL_KEYS = ("critic/score/mean", "response_length/mean", "response_length/max",
+             "response_length/clip_ratio", "actor/pg_loss", "actor/kl", "actor/grad_norm",
+             "timing_s/gen", "timing_s/logprob", "timing_s/update", "timing_s/step",
+             "timing_s/update_weights", "tokens_per_device_step", "idle_after_finish_fraction")
+
+
+def _det(rows):
+  return [{k: r[k] for k in ("step",) + train.DETERMINISTIC_KEYS} for r in rows]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  """An uninterrupted 3-step flexfloor run (checkpoints after steps 2 and 3)."""
+  out = tmp_path_factory.mktemp("straight")
+  return out, train.train(grpo_config(out, steps=3, schedule="flexfloor"))
+
+
+def test_metrics_files_and_names(straight):
+  out, rows = straight
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for r in rows:
+    for k in VERL_KEYS:
+      assert k in r and r[k] is not None, k
+    assert r["rollout/logprob_max_abs_diff"] <= 1e-4  # rollout vs training forward
+  assert os.path.getsize(out / "metrics.png") > 0
+  assert train.latest_checkpoint(grpo_config(out))[0] == 3
+  h = scheduler.LengthHistory.load(str(out / "history.json"))
+  assert len(h) == 4 and all(sorted(h.epochs(p)) == [0, 1, 2] for p in h.data)
+  # an update happened: the policy moved away from the reference (KL) and gradients are finite
+  assert rows[-1]["actor/kl"] > 0 and all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_resume_after_sigkill_bitwise(straight, tmp_path):
+  """kill -9 after the step-2 checkpoint is complete (during step 3), restart: steps 3.. equal
+  the straight run bitwise; the checkpoint's length history wins over a newer history file."""
+  _, full = straight
+  cfg = grpo_config(tmp_path, steps=3, schedule="flexfloor")
+  args = [sys.executable, "-m", "flexfloor_jax.rl.train", "--config=configs/grpo.py",
+          f"--config.output_dir={tmp_path}", "--config.steps=3", "--config.checkpoint_every=2",
+          "--config.model.checkpoint=", "--config.model.max_seq_len=40",
+          "--config.rollout.max_prompt_len=24", "--config.rollout.max_new_tokens=12",
+          "--config.rollout.samples_per_prompt=2", "--config.rollout.slots_per_worker=1",
+          "--config.rl.num_prompts=4", "--config.rl.task_size=2",
+          f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}"]
+  # The trainer CLI reads the suite's persistent compilation cache (warmed by `straight`).
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             FLEXFLOOR_JAX_CACHE=CACHE)
+  proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  meta = tmp_path / "checkpoints" / "step_2" / "meta.json"
+  t0 = time.time()
+  try:
+    while not meta.exists():
+      assert proc.poll() is None, "trainer exited before its step-2 checkpoint"
+      assert time.time() - t0 < 240, "no step-2 checkpoint within 240 s"
+      time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+  finally:
+    proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  # A newer history file than the checkpoint's (as a later step would write): must lose.
+  hist = scheduler.LengthHistory.load(str(tmp_path / "history.json"))
+  for p in list(hist.data):
+    hist.add(p, 99, [1, 1])
+  hist.save(str(tmp_path / "history.json"))
+  rows = train.train(cfg)
+  assert _det(rows) == _det(full)
+  h = scheduler.LengthHistory.load(str(tmp_path / "history.json"))
+  assert all(99 not in h.epochs(p) for p in h.data)
