@@ -62,7 +62,7 @@ def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
   kw = dict(impl=ep.backend, interpret=ep.interpret)
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k)
+  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k, lp.get("route"))
 
   # Home side: token copies to their destination workers.
   slot_R = expert_to_slot_E[experts_TK].reshape(t * k)
@@ -110,11 +110,14 @@ def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: ja
     xp = jnp.pad(x_TD, ((0, pad), (0, 0)))
     vp = jnp.pad(valid_T, (0, pad))
     nc = (t + pad) // c
+    # routing replay: the recorded experts are chunked with their tokens
+    rp = {} if "route" not in lp else {"route": jnp.pad(lp["route"], ((0, pad), (0, 0))).reshape(
+        nc, c, -1)}
 
     def body(_, xs):
-      return None, _ep_moe_chunk(xs[0], lp, xs[1], expert_to_slot_E, ep)
+      return None, _ep_moe_chunk(xs[0], {**lp, **xs[2]}, xs[1], expert_to_slot_E, ep)
 
-    _, (y, lg, ex) = jax.lax.scan(body, None, (xp.reshape(nc, c, d), vp.reshape(nc, c)))
+    _, (y, lg, ex) = jax.lax.scan(body, None, (xp.reshape(nc, c, d), vp.reshape(nc, c), rp))
     y_TD, logits_TE, experts_TK = (y.reshape(-1, d)[:t], lg.reshape(nc * c, -1)[:t],
                                    ex.reshape(nc * c, -1)[:t])
   counts_E = jnp.sum(jax.nn.one_hot(experts_TK, num_experts, dtype=jnp.int32)

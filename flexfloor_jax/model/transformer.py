@@ -159,11 +159,17 @@ def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: ja
   return out.reshape(b, t, h * hd)
 
 
-def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int):
-  """Top-k routing as HF Mixtral: softmax over all logits in fp32, top-k, renormalise."""
+def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, replay_TK=None):
+  """Top-k routing as HF Mixtral: softmax over all logits in fp32, top-k, renormalise.
+  `replay_TK` (routing replay): use these experts instead of the top-k, weighted by the current
+  router's probabilities of them, renormalised (equal to the top-k path when they coincide)."""
   logits_TE = (x_TD @ router_DE).astype(jnp.float32)
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  weights_TK, experts_TK = jax.lax.top_k(probs_TE, top_k)
+  if replay_TK is None:
+    weights_TK, experts_TK = jax.lax.top_k(probs_TE, top_k)
+  else:
+    experts_TK = replay_TK.astype(jnp.int32)
+    weights_TK = jnp.take_along_axis(probs_TE, experts_TK, axis=-1)
   weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
   return logits_TE, weights_TK.astype(x_TD.dtype), experts_TK.astype(jnp.int32)
 
@@ -174,7 +180,7 @@ def expert_ffn(x_TD: jax.Array, w1_DF: jax.Array, w3_DF: jax.Array, w2_FD: jax.A
 
 def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_k: int):
   """Every expert on every token, weighted by the router: exact and simple, E times the work."""
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k)
+  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k, lp.get("route"))
   e = lp["router"].shape[-1]
   y_ETD = jax.vmap(expert_ffn, in_axes=(None, 0, 0, 0))(x_TD, *layer_experts(lp))
   y_TKD = jnp.take_along_axis(jnp.moveaxis(y_ETD, 0, 1), experts_TK[:, :, None], axis=1)
@@ -203,6 +209,8 @@ def _qkv(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, pos_BT: jax.Array):
 def _mlp(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, valid_BT: jax.Array, moe_fn: MoEFn):
   b, t, d = x_BTD.shape
   h = rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps)
+  if "route" in lp:  # routing replay: this layer's recorded experts [B, T, K]
+    lp = {**lp, "route": lp["route"].reshape(b * t, -1)}
   y, aux = moe_fn(h.reshape(b * t, d), lp, valid_BT.reshape(b * t))
   return x_BTD + y.reshape(b, t, d), aux
 
@@ -216,8 +224,9 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
             valid_BT: Optional[jax.Array] = None, moe_fn: Optional[MoEFn] = None,
-            return_hidden: bool = False):
-  """Full-sequence causal logits [B, T, V] (fp32), no cache. Right padding: pass valid_BT."""
+            return_hidden: bool = False, route_LBTK: Optional[jax.Array] = None):
+  """Full-sequence causal logits [B, T, V] (fp32), no cache. Right padding: pass valid_BT.
+  `route_LBTK`: routing replay, the experts each layer must use for each token."""
   moe_fn = moe_fn or default_moe_fn(cfg)
   b, t = tokens_BT.shape
   if valid_BT is None:
@@ -231,7 +240,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
     x = x + attend(q, k, v, mask) @ lp["wo"]
     return _mlp(cfg, lp, x, valid_BT, moe_fn)
 
-  x, aux = scan_layers(layer, x, params["layers"])
+  layers = params["layers"] if route_LBTK is None else {**params["layers"], "route": route_LBTK}
+  x, aux = scan_layers(layer, x, layers)
   logits = _logits(params, cfg, x)
   return (logits, aux, x) if return_hidden else (logits, aux)
 
