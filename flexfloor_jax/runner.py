@@ -196,8 +196,11 @@ def memory_budget_bytes(config, devices) -> int:
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         write_outputs: bool = True, history: Optional[scheduler.LengthHistory] = None,
-        step_cache=None, progress: bool = True) -> RolloutResult:
-  """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop)."""
+        step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
+  """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
+  `on_release(devices, finished)`: called right after each release with the released devices and
+  the responses finished so far, {(prompt_id, sample): tokens}; it must not block (RL: released
+  workers score finished responses, rl/reuse.py)."""
   t_setup = time.perf_counter()
   validate_config(config)  # before the heavy imports: bad fields fail in well under a second
   import jax
@@ -312,7 +315,13 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   from flexfloor_jax.policy import controller
   bar = _progress(len(seqs), progress and jax.process_index() == 0)
   try:
-    record = controller.run(seqs, queues, _ProgressExecutor(eng, bar), policy,
+    def released(workers):
+      if on_release is not None:
+        done = {(q.prompt_id, q.sample): eng.outputs[q.seq_id].tokens for q in seqs
+                if q.seq_id in eng.outputs}
+        on_release([devices[w] for w in workers], done)
+
+    record = controller.run(seqs, queues, _ProgressExecutor(eng, bar, released), policy,
                             steps_per_dispatch=r.steps_per_dispatch)
   finally:
     bar.close()
@@ -398,10 +407,10 @@ class _ReadyFloor:
 
 
 class _ProgressExecutor:
-  """Forwards to the engine and ticks the progress bar on every finish."""
+  """Forwards to the engine, ticks the progress bar on every finish, reports releases."""
 
-  def __init__(self, eng, bar):
-    self._eng, self._bar = eng, bar
+  def __init__(self, eng, bar, released):
+    self._eng, self._bar, self._released = eng, bar, released
     self.slots_per_worker = eng.spec.slots_per_worker
 
   def prefill(self, assign):
@@ -418,7 +427,9 @@ class _ProgressExecutor:
     return self._eng.migrate(moves)
 
   def shrink(self, new_active):
-    return self._eng.shrink(new_active)
+    info = self._eng.shrink(new_active)
+    self._released(info["released"])
+    return info
 
   def active_workers(self):
     return self._eng.active_workers()

@@ -52,7 +52,8 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import accounting, controller, plan, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy import (accounting, controller, plan, planner, reuse, scheduler,
+                                  stepsim, workload)
 from flexfloor_jax.policy.atomic import atomic_open, atomic_write
 from flexfloor_jax.policy.controller import Seq
 
@@ -525,11 +526,34 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
 def _group_job(job):
   """One EP group's rollout (a top-level function: it runs in worker processes)."""
   sched, gs, hist, ep, B, floor, model, hw, spd, epoch = job
-  m, _ = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
-                steps_per_dispatch=spd, epoch=epoch)
+  m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
+                  steps_per_dispatch=spd, epoch=epoch)
   rel = m.pop("releases", [])
   m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
+  # for the RL step model: when each response finished, its tokens, when workers were released
+  tl = rec.timeline
+  m["finish_s"] = [tl.step_end_time(f["step"] + 1) - tl.t_start for f in tl.finishes]
+  m["finish_tokens"] = [gs[f["seq_id"]].prompt_len + f["num_tokens"] for f in tl.finishes]
   return m
+
+
+def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
+                    released: bool) -> dict:
+  """An RL step on the cluster (roofline): generation, old log-probs of every response (a
+  compute-bound forward), update (~3 forwards: forward + backward); with `released`, the
+  workers released during generation score finished responses meanwhile (policy/reuse.py), in
+  groups of `floor` devices (the fewest that hold the model)."""
+  active = model.nonexpert_params + model.top_k * 3 * model.layers * model.hidden * model.ffn
+  spt = 2.0 * active / hw.peak_flops
+  gen = max(g["generation_wall_s"] for g in groups)
+  n = sum(len(g["workers"]) for g in groups)
+  lp = reuse.logprob_phase_seconds(
+      [t for g in groups for t in g["finish_s"]], [k for g in groups for k in g["finish_tokens"]],
+      [w["release_s"] for g in groups for w in g["workers"]] if released else [], gen, n, spt,
+      group=floor)
+  update = 3.0 * lp["without"]
+  return dict(gen_s=gen, logprob_s=lp["with"], update_s=update,
+              step_s=gen + lp["with"] + update, scored_during_generation=lp["scored_early"])
 
 
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
@@ -578,6 +602,11 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   for sched in ("static", "flexfloor"):
     res = [dict(metrics=m) for (sc, *_), m in zip(jobs, results) if sc == sched]
     out[sched] = _cluster_metrics(res, hold_to_end=sched == "static")
+  groups_of = lambda sched: [m for (sc, *_), m in zip(jobs, results) if sc == sched]
+  rl = {"static": rl_step_seconds(groups_of("static"), model, hw, floor, released=False),
+        "flexfloor": rl_step_seconds(groups_of("flexfloor"), model, hw, floor, released=False),
+        "flexfloor_released_logprobs": rl_step_seconds(groups_of("flexfloor"), model, hw, floor,
+                                                       released=True)}
   s, f = out["static"], out["flexfloor"]
   ratio = {k: f[k] / s[k] for k in ("tokens_per_occupied_device_second", "throughput_tokens_per_s",
                                     "occupied_device_seconds", "generation_wall_s")
@@ -585,7 +614,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   return dict(model=model.name, hardware=hw.name, devices=devices, ep=ep, groups=devices // ep,
               floor=floor, epoch=last, workload=dataclasses.asdict(spec), prompt_len=prompt_len,
               slots_per_worker=slots_per_worker, steps_per_dispatch=steps_per_dispatch,
-              static=s, flexfloor=f, ratio=ratio)
+              static=s, flexfloor=f, ratio=ratio, rl_step=rl)
 
 
 # ----------------------------------------------------------------------------- output
@@ -710,6 +739,15 @@ def main(argv=None):
         f"tokens, prompt {F.prompt_len}, {r0['steps_per_dispatch']} steps per dispatch, epoch "
         f"{r0['epoch']} (history of {r0['epoch']} epochs)")
   print(format_cluster_table(rows))
+  print("RL step = generation + old log-probs + update (~3 forwards), roofline seconds; "
+        "+reuse: released workers score finished responses during generation")
+  for r in rows:
+    q = r["rl_step"]
+    st, fl, re = q["static"], q["flexfloor"], q["flexfloor_released_logprobs"]
+    print(f"  {r['devices']:>5} devices: static {st['step_s']:.2f} s, flexfloor "
+          f"{fl['step_s']:.2f} s (log-probs {fl['logprob_s']:.3f} s), +reuse {re['step_s']:.2f} s "
+          f"(log-probs {re['logprob_s']:.3f} s, {re['scored_during_generation']:.0%} scored during "
+          f"generation): step time x{fl['step_s'] / re['step_s']:.3f}")
   out = F.output_dir
   os.makedirs(out, exist_ok=True)
   atomic_write_text(os.path.join(out, "sim.json"), json.dumps(rows, indent=2))

@@ -42,6 +42,9 @@ def test_grpo_beats_lr0_control_on_both_schedules(tmp_path):
     assert a["rollout/tokens_sha1"] == b["rollout/tokens_sha1"]
     assert a["critic/score/mean"] == b["critic/score/mean"]
     assert a["actor/grad_norm"] == b["actor/grad_norm"]
+  # ... although flexfloor's released workers computed some of its old log-probs (rl/reuse.py)
+  assert max(r["rollout/logprobs_on_released"] for r in flex) > 0
+  assert all(r["rollout/logprobs_on_released"] == 0 for r in static)
   assert flex[0]["critic/score/mean"] == control[0]  # same start, same seeds
   # ... while flexfloor released workers: more tokens per device-step than static
   eff = lambda rows: np.mean([r["tokens_per_device_step"] for r in rows])

@@ -128,6 +128,20 @@ def test_cluster_groups_and_static_hold():
     sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 12, ep=8)
 
 
+def test_rl_step_released_logprobs_shorten_the_step():
+  """tpu-v5p holds Mixtral 8x7B on one chip (floor 1): workers are released mid-rollout and
+  score finished responses, so less log-prob work is left after generation."""
+  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"], 8,
+                           length_scale=1.0, processes=1)
+  q = r["rl_step"]
+  st, fl, re = q["static"], q["flexfloor"], q["flexfloor_released_logprobs"]
+  assert st["scored_during_generation"] == 0 and fl["scored_during_generation"] == 0
+  assert re["scored_during_generation"] > 0.5
+  assert re["logprob_s"] < 0.5 * fl["logprob_s"]
+  assert re["gen_s"] == fl["gen_s"] and re["update_s"] == fl["update_s"]
+  assert re["step_s"] < fl["step_s"]
+
+
 # ----------------------------------------------------------------------------- calibration
 
 

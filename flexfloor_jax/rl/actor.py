@@ -45,6 +45,7 @@ class ActorSpec:
   aux_coef: float = 0.0
   moe_backend: str = "xla"
   interpret: bool = False
+  logprob_rows: int = 4  # rows per device of each log-prob call (fixed: part of the numerics)
 
   def ep(self) -> EPConfig:
     e = self.cfg.num_experts
@@ -87,7 +88,12 @@ def _local_logprobs(spec: ActorSpec, params, tokens_BT, valid_BT, route_BTLK=Non
   return jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1)[..., 0], aux
 
 
-def _batch_spec(ndim):
+def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
+  """x with zero rows appended up to `rows` (padding rows are invalid: valid=False)."""
+  return np.concatenate([x, np.zeros((rows - len(x),) + x.shape[1:], x.dtype)]) if len(x) < rows else x
+
+
+def batch_spec(ndim):
   return P(mesh_lib.mesh_axis("batch"), *([None] * (ndim - 1)))
 
 
@@ -100,21 +106,34 @@ class Actor:
     self._update_fn = None
 
   # -- log-probs (no grad)
-  def logprobs(self, params, tokens_BT, valid_BT, route_BTLK=None):
-    """[B, T-1] log-probs; with `route_BTLK` the recorded routing is replayed."""
-    replay = route_BTLK is not None
+  def logprob_program(self, params, replay: bool):
+    """The jitted per-micro-batch log-prob program: [N*r, T] rows in, [N*r, T-1] out (`params`:
+    any tree of the params' structure)."""
     if self._logprob_fn.get(replay) is None:
-      bs = (_batch_spec(2), _batch_spec(2)) + ((_batch_spec(4),) if replay else ())
+      pspecs = param_specs(params)
+      bs = (batch_spec(2), batch_spec(2)) + ((batch_spec(4),) if replay else ())
       fn = jax.shard_map(lambda p, *b: _local_logprobs(self.spec, p, *b)[0], mesh=self.mesh,
-                         in_specs=(param_specs(params), *bs), out_specs=_batch_spec(2),
-                         check_vma=False)
+                         in_specs=(pspecs, *bs), out_specs=batch_spec(2), check_vma=False)
       self._logprob_fn[replay] = jax.jit(fn)
-    args = [tokens_BT, valid_BT] + ([route_BTLK] if replay else [])
-    return self._logprob_fn[replay](params, *map(self.shard_batch, args))
+    return self._logprob_fn[replay]
+
+  def logprobs(self, params, tokens_BT, valid_BT, route_BTLK=None) -> np.ndarray:
+    """[B, T-1] log-probs (host), with `route_BTLK` the recorded routing replayed. Computed in
+    micro-batches of spec.logprob_rows rows per device: every call has the same per-device
+    shapes, so a row's log-probs do not depend on the rows around it or on the mesh size (the
+    released workers of a rollout compute the same numbers: rl/reuse.py)."""
+    fn = self.logprob_program(params, route_BTLK is not None)
+    args = [np.asarray(a) for a in (tokens_BT, valid_BT, route_BTLK) if a is not None]
+    b, step = args[0].shape[0], self.spec.num_workers * self.spec.logprob_rows
+    out = []
+    for i in range(0, b, step):
+      chunk = [pad_rows(a[i:i + step], step) for a in args]
+      out.append(fn(params, *map(self.shard_batch, chunk)))
+    return np.concatenate([np.asarray(o) for o in out])[:b]
 
   def shard_batch(self, x):
     x = jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(self.mesh, _batch_spec(x.ndim)))
+    return jax.device_put(x, NamedSharding(self.mesh, batch_spec(x.ndim)))
 
   # -- update
   def update(self, params, opt_state, batch, num_tokens):
@@ -129,7 +148,7 @@ class Actor:
   def _build_update(self, params, batch):
     spec, axis = self.spec, mesh_lib.mesh_axis("batch")
     pspecs = param_specs(params)
-    bspecs = {k: _batch_spec(np.ndim(v)) for k, v in batch.items()}
+    bspecs = {k: batch_spec(np.ndim(v)) for k, v in batch.items()}
 
     def grads_local(p, b, n):
       def local_loss(p):

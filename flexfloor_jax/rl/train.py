@@ -28,6 +28,7 @@ from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.rl.loss import group_advantages
+from flexfloor_jax.rl.reuse import sequence_row
 
 # Metrics that must be bitwise equal between an interrupted-and-resumed run and a straight one.
 DETERMINISTIC_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min",
@@ -154,9 +155,7 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
   roll = np.zeros((bp, t_max - 1), np.float32)
   for i, r in enumerate(responses):
     p = prompt_tokens[r["prompt_id"]]
-    seq = list(p) + list(r["tokens"])
-    toks[i, :len(seq)] = seq
-    valid[i, :len(seq)] = True
+    toks[i], valid[i] = sequence_row(p, r["tokens"], t_max)
     n = len(r["tokens"])
     mask[i, len(p) - 1:len(p) - 1 + n] = True
     roll[i, len(p) - 1:len(p) - 1 + n] = r["logprobs"]
@@ -257,6 +256,14 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
   g = config.rollout.samples_per_prompt
   pool = engine_lib.StepCachePool(engine_lib)  # compiled steps kept across the steps' rollouts
   rollout_params = actor_lib.replicate(params, mesh)
+  # Released workers score finished responses during the rollout (flexfloor; one process).
+  scorer = None
+  if rl.released_logprobs and config.schedule == "flexfloor" and jax.process_count() == 1:
+    from flexfloor_jax.rl.reuse import ReleasedScorer
+    scorer = ReleasedScorer(spec, devices, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), t_max)
+    if config.rollout.wait_compiles:  # reproducible timing (tests, benchmarks)
+      scorer.wait_compiled()
   for step in range(start + 1, config.steps + 1):
     t_step = time.perf_counter()
     c = config.copy_and_resolve_references()
@@ -265,9 +272,11 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     c.rollout.output_dir = out
     with pool.installed():
       t0 = time.perf_counter()
+      if scorer is not None:
+        scorer.reset(params, prompt_tokens)
       res = runner.run(c, devices=devices, params=rollout_params, model_cfg=model_cfg,
                        tokenizer=tokenizer, write_outputs=False, history=history,
-                       progress=progress)
+                       progress=progress, on_release=scorer and scorer.on_release)
       t_gen = time.perf_counter() - t0
     history.save(history_path)
     resp = res.responses
@@ -276,8 +285,17 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     batch, roll_lp = build_batch(resp, prompt_tokens, rewards, g, t_max, n)
 
     t0 = time.perf_counter()
-    old_lp = np.asarray(act.logprobs(params, batch["tokens"], batch["valid"]))
-    ref_lp = (np.asarray(act.logprobs(ref_params, batch["tokens"], batch["valid"]))
+    # Old log-probs: those the released workers computed, the rest on the full mesh (equal
+    # bitwise either way: fixed per-device shapes, rl/reuse.py).
+    done = scorer.results() if scorer is not None else {}
+    old_lp = np.zeros_like(roll_lp)
+    on_released = [i for i, r in enumerate(resp) if (r["prompt_id"], r["sample"]) in done]
+    for i in on_released:
+      old_lp[i] = done[(resp[i]["prompt_id"], resp[i]["sample"])]
+    rest = np.setdiff1d(np.arange(len(old_lp)), on_released)
+    if len(rest):
+      old_lp[rest] = act.logprobs(params, batch["tokens"][rest], batch["valid"][rest])
+    ref_lp = (act.logprobs(ref_params, batch["tokens"], batch["valid"])
               if ref_params is not None else old_lp)
     t_lp = time.perf_counter() - t0
     diff = np.abs(old_lp - roll_lp)[batch["mask"]]
@@ -308,6 +326,7 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
            "actor/aux_loss": m["aux_loss"], "actor/pg_clipfrac": m["pg_clipfrac"],
            "actor/loss": m["loss"], "actor/lr": float(rl.lr),
            "rollout/logprob_max_abs_diff": float(diff.max()) if diff.size else 0.0,
+           "rollout/logprobs_on_released": len(on_released) / len(resp),
            "timing_s/gen": t_gen, "timing_s/logprob": t_lp, "timing_s/update": t_upd,
            "timing_s/update_weights": t_sync,
            "tokens_per_device_step": s.get("tokens_per_device_step"),
@@ -326,6 +345,8 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
             f"({row['timing_s/step']:.1f}s)", flush=True)
     if stop_after is not None and step >= stop_after:
       break
+  if scorer is not None:
+    scorer.close()
   rows_out = _read_metrics(metrics_path)
   plot_metrics(rows_out, os.path.join(out, "metrics.png"))
   return rows_out
