@@ -176,7 +176,8 @@ def test_every_routed_copy_comes_back_once(params, setups, n, router):
   conserve copies: per worker sum = valid tokens * top_k, equal to the bincount of the routed
   experts. 'skewed': every token picks experts 6 and 7, so all copies of every worker go to one
   or two destinations (the capacity tokens*top_k per destination is reached exactly).
-  Measured max|diff|: random 1.4e-6 (N=1), 4.8e-7 (N=3, 8); skewed 2.4e-6 (N=1), 4.8e-7."""
+  Measured max|diff| (AMD EPYC): random 1.4e-6, 4.8e-7, 1.5e-6 (N=1, 3, 8); skewed 1.4e-7,
+  3.0e-8, 5.1e-6."""
   st = setups(n)
   lp = _layer0(params)
   rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
@@ -189,7 +190,11 @@ def test_every_routed_copy_comes_back_once(params, setups, n, router):
   rng = np.random.default_rng(20 + n)
   x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
   if router == "skewed":
-    x = np.abs(x) + 0.5
+    # Positive tokens (logits of 6 and 7 ~ sum(x) far above the rest), scaled so the expert
+    # activations stay O(1): at |x| ~ 1.3 they reach ~22 and both fp32 paths drift ~2.5e-4 from
+    # a float64 evaluation on some CPUs (AMD EPYC: ep vs dense 3.6e-4), which is conditioning,
+    # not routing.
+    x = (np.abs(x) + 0.5) * 0.25
   valid = rng.random(n * t) > 0.25
   valid[0] = True
 
