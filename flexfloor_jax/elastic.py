@@ -5,12 +5,14 @@ it, with transfers that can be counted:
 - surviving shards (KV cache rows, slot state, expert slots, replicated weights) are reassembled
   into arrays over the smaller mesh from their existing device buffers
   (`jax.make_array_from_single_device_arrays`): no copy;
-- an expert that lived on a released worker is cut out on its old device by a compiled SPMD
-  `extract` step, sent with one `jax.device_put` to its new device (the bytes counted are those
-  transfers), and written into an empty slot by a compiled `insert` step that donates the
-  survivor's buffer, so the survivor's existing buffers stay where they are;
-- a migrated sequence (compaction) moves its KV rows and slot state the same way.
-All movers are compiled per mesh ahead of time with the decode step (StepSet.compile).
+- an expert that lived on a released worker is cut out on its old device by a compiled
+  single-device `take`, sent with a `jax.device_put` to its new device (the bytes counted are
+  those transfers), and written into an empty slot by a compiled single-device `put` that donates
+  the survivor's buffer, so the survivor's existing buffers stay where they are (multi-controller:
+  SPMD `extract`/`insert` steps around a permuting reshard instead);
+- a migrated sequence (compaction) moves its KV rows and slot state with the SPMD steps.
+The SPMD movers are compiled per mesh ahead of time with the decode step (StepSet.compile), the
+single-device ones per device (SlotMovers), both off the critical path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from flexfloor_jax import mesh as mesh_lib
 
@@ -75,8 +77,66 @@ def compile_movers(stepset) -> dict:
   return out
 
 
+class SlotMovers:
+  """Single-device movers of expert slots, for one device's shard {name: [L, S, ...]}: only the
+  devices an expert leaves or joins run anything (an SPMD step costs every device of the mesh a
+  launch, which on emulated devices is most of a release). A taken slot is one flat buffer
+  holding all its weights: one transfer per moved expert."""
+
+  def __init__(self, shard_abstract: dict, device: jax.Device, slots: int):
+    sh = SingleDeviceSharding(device)
+    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+            for k, v in shard_abstract.items()}
+    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+    # (traced dicts iterate in sorted key order: so do the offsets)
+    row_shapes = {k: (v.shape[0], 1) + v.shape[2:] for k, v in sorted(tree.items())}
+    ends = np.cumsum([int(np.prod(r)) for r in row_shapes.values()])
+
+    def take(t, i):
+      return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1).reshape(-1)
+                              for x in t.values()])
+
+    def put(t, row, i):
+      parts = jnp.split(row, ends[:-1])
+      return {k: jax.lax.dynamic_update_slice_in_dim(x, p.reshape(row_shapes[k]), i, axis=1)
+              for (k, x), p in zip(t.items(), parts)}
+
+    self.take = jax.jit(take).lower(tree, idx).compile()
+    row = jax.ShapeDtypeStruct((int(ends[-1]),), next(iter(tree.values())).dtype, sharding=sh)
+    self.put = jax.jit(put, donate_argnums=0).lower(tree, row, idx).compile()
+    # Slot indices already on the device (a host scalar would cost a transfer per call).
+    self.slot = [jax.device_put(np.int32(s), device) for s in range(slots)]
+    # First executions compile XLA:CPU kernels: run both once here, on placeholders.
+    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
+    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
+
+
+def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
+  """Move expert slots between devices: `shards` is {name: {device: buffer}} (updated in place),
+  `moves` (src device, src slot, dst device, dst slot), `movers` {device: SlotMovers}. Returns the
+  bytes transferred."""
+  if not moves:
+    return 0
+  on = lambda d: {k: b[d] for k, b in shards.items()}
+  rows = [movers[sd].take(on(sd), movers[sd].slot[ss]) for sd, ss, _, _ in moves]
+  sent = jax.device_put(rows, [dd for _, _, dd, _ in moves])  # one batched transfer
+  for (_, _, dd, ds), row in zip(moves, sent):
+    for k, b in movers[dd].put(on(dd), row, movers[dd].slot[ds]).items():
+      shards[k][dd] = b
+  return sum(r.nbytes for r in sent)
+
+
 def shards_by_device(arr: jax.Array) -> dict:
   return {s.device: s.data for s in arr.addressable_shards}
+
+
+def assemble(by_dev: dict, sharding: NamedSharding, shape, dtype) -> jax.Array:
+  """Global array over `sharding`'s mesh from the buffers {device: buffer} (no copy)."""
+  devs = sharding.mesh.devices.reshape(-1)
+  if jax.process_count() > 1:  # this process's devices only (maybe none: all released)
+    devs = [d for d in devs if d.process_index == jax.process_index()]
+  return jax.make_array_from_single_device_arrays(shape, sharding, [by_dev[d] for d in devs],
+                                                  dtype=dtype)
 
 
 def reassemble(arr: jax.Array, sharding: NamedSharding, shape, buffers: dict | None = None):
@@ -85,13 +145,7 @@ def reassemble(arr: jax.Array, sharding: NamedSharding, shape, buffers: dict | N
   by_dev = shards_by_device(arr)
   if buffers:
     by_dev.update(buffers)
-  devs = sharding.mesh.devices.reshape(-1)
-  if jax.process_count() > 1:  # this process's devices only (maybe none: all released)
-    pid = jax.process_index()
-    bufs = [by_dev[d] for d in devs if d.process_index == pid]
-    return jax.make_array_from_single_device_arrays(shape, sharding, bufs, dtype=arr.dtype)
-  bufs = [by_dev[d] for d in devs]
-  return jax.make_array_from_single_device_arrays(shape, sharding, bufs)
+  return assemble(by_dev, sharding, shape, arr.dtype)
 
 
 def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:

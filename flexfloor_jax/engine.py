@@ -8,6 +8,8 @@ finish. The engine knows how to change its mesh (see elastic.py), never why.
 Per-slot device state (leading axis N*B, sharded over workers):
   tokens (input token of the next step), positions (where that token's KV goes), live, n_gen,
   limit (tokens to generate), stop_eos, key (uint32[2] sequence key), out_tokens, out_logprobs.
+The scalars and the key travel as one int32 array `slots` (SLOT_COLS): a release reassembles
+three arrays of state instead of nine.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import sys
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -26,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from flexfloor_jax import distributed
+from flexfloor_jax import elastic
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
@@ -89,17 +93,35 @@ def batch_spec(ndim: int) -> P:
   return mesh_lib.logical_spec("batch", *([None] * (ndim - 1)))
 
 
+SLOT_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1")
+COL = {name: i for i, name in enumerate(SLOT_COLS)}
+
+
 def state_shapes(spec: EngineSpec, n: int) -> dict[str, jax.ShapeDtypeStruct]:
   nb = n * spec.slots_per_worker
-  i32 = jnp.int32
   return {
-      "tokens": jax.ShapeDtypeStruct((nb,), i32), "positions": jax.ShapeDtypeStruct((nb,), i32),
-      "live": jax.ShapeDtypeStruct((nb,), jnp.bool_), "n_gen": jax.ShapeDtypeStruct((nb,), i32),
-      "limit": jax.ShapeDtypeStruct((nb,), i32), "stop_eos": jax.ShapeDtypeStruct((nb,), jnp.bool_),
-      "key": jax.ShapeDtypeStruct((nb, 2), jnp.uint32),
-      "out_tokens": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), i32),
+      "slots": jax.ShapeDtypeStruct((nb, len(SLOT_COLS)), jnp.int32),
+      "out_tokens": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
       "out_logprobs": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
   }
+
+
+def _unpack(st: dict) -> dict:
+  """Device state -> one array per field (inside a step)."""
+  a = st["slots"]
+  out = {k: a[:, COL[k]] for k in ("tokens", "positions", "n_gen", "limit")}
+  out.update(live=a[:, COL["live"]] != 0, stop_eos=a[:, COL["stop_eos"]] != 0,
+             key=jax.lax.bitcast_convert_type(a[:, COL["key0"]:COL["key1"] + 1], jnp.uint32),
+             out_tokens=st["out_tokens"], out_logprobs=st["out_logprobs"])
+  return out
+
+
+def _pack(st: dict) -> dict:
+  key = jax.lax.bitcast_convert_type(st["key"], jnp.int32)
+  cols = [key[:, i - COL["key0"]] if k.startswith("key") else st[k].astype(jnp.int32)
+          for i, k in enumerate(SLOT_COLS)]
+  return {"slots": jnp.stack(cols, 1), "out_tokens": st["out_tokens"],
+          "out_logprobs": st["out_logprobs"]}
 
 
 def _abstract(tree, shardings):
@@ -109,9 +131,23 @@ def _abstract(tree, shardings):
 # ----------------------------------------------------------------------------- per-worker steps
 
 
-def _prefill_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v, st, tokens_PT,
-                   lengths_P, slot_P, limit_P, eos_P, phash_P, sample_P, seed, epoch):
+# Host inputs of a step travel as one int32 array sharded over the workers, one row per worker:
+# one transfer per step instead of one per input (each costs a transfer to every device). The
+# last num_experts columns of every row hold the expert -> global slot table, so a release
+# moves no separate table either.
+# Prefill rows: the prompt's max_prompt_len token columns, then PREFILL_COLS.
+PREFILL_COLS = ("length", "slot", "limit", "eos", "phash", "sample", "seed", "epoch")
+DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle")
+
+
+def _prefill_local(spec: EngineSpec, n: int, rest, experts, cache_k, cache_v, st, host_PC):
   cfg = spec.cfg
+  host_PC, e2s = host_PC[:, :-cfg.num_experts], host_PC[0, -cfg.num_experts:]
+  tokens_PT = host_PC[:, :spec.max_prompt_len]
+  lengths_P, slot_P, limit_P, eos_P, phash_P, sample_P = (
+      host_PC[:, spec.max_prompt_len + i] for i in range(6))
+  eos_P = eos_P != 0
+  seed, epoch = host_PC[0, -2], host_PC[0, -1]
   ep = spec.ep(n, spec.prefill_tile_m)
   moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
   active = slot_P >= 0
@@ -121,11 +157,11 @@ def _prefill_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_
   cache = tfm.insert(tfm.KVCache(cache_k, cache_v), k, v, slot_P)
   keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, phash_P, sample_P)
   tok, lp = jax.vmap(lambda l, kd: sample_one(l, kd, jnp.int32(0), spec.sampling))(logits, keys)
+  st = _unpack(st)
   b = st["tokens"].shape[0]
   idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
   done = (limit_P <= 1) | (eos_P & (tok == cfg.eos_id))
   upd = lambda a, val: a.at[idx].set(val, mode="drop")
-  st = dict(st)
   st["tokens"] = upd(st["tokens"], tok)
   st["positions"] = upd(st["positions"], lengths)
   st["live"] = upd(st["live"], ~done)
@@ -135,16 +171,18 @@ def _prefill_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_
   st["key"] = upd(st["key"], keys)
   st["out_tokens"] = st["out_tokens"].at[idx, 0].set(tok, mode="drop")
   st["out_logprobs"] = st["out_logprobs"].at[idx, 0].set(lp, mode="drop")
-  return cache.k, cache.v, st, aux["expert_counts"].sum(0)
+  return cache.k, cache.v, _pack(st), aux["expert_counts"].sum(0)
 
 
-def _decode_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v, st, max_steps,
-                  stop_on_refill, stop_on_idle):
+def _decode_local(spec: EngineSpec, n: int, rest, experts, cache_k, cache_v, st, host_PC):
   cfg = spec.cfg
+  e2s = host_PC[0, -cfg.num_experts:]
+  max_steps, stop_on_refill, stop_on_idle = host_PC[0, 0], host_PC[0, 1] != 0, host_PC[0, 2] != 0
   ep = spec.ep(n, spec.decode_tile_m)
   axis = ep.axis
   params = merge_params(rest, experts)
   moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+  st = _unpack(st)
   b = st["tokens"].shape[0]
   rows = jnp.arange(b)
   max_new = spec.max_new_tokens
@@ -165,8 +203,8 @@ def _decode_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v
     st["tokens"] = jnp.where(live, tok, st["tokens"])
     st["positions"] = st["positions"] + live.astype(jnp.int32)
     st["live"] = live & ~finished
-    wake = (jnp.any(finished) & stop_on_refill[0]) | (
-        stop_on_idle[0] & jnp.any(finished) & ~jnp.any(st["live"]))
+    wake = (jnp.any(finished) & stop_on_refill) | (
+        stop_on_idle & jnp.any(finished) & ~jnp.any(st["live"]))
     stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
     any_live = jax.lax.psum(jnp.any(st["live"]).astype(jnp.int32), axis) > 0
     counts = counts + aux["expert_counts"].sum(0)
@@ -179,7 +217,7 @@ def _decode_local(spec: EngineSpec, n: int, rest, experts, e2s, cache_k, cache_v
   counts0 = jnp.zeros((cfg.num_experts,), jnp.int32)
   ck, cv, st, steps, _, counts = jax.lax.while_loop(
       cond, step, (cache_k, cache_v, st, jnp.int32(0), ~any_live, counts0))
-  return ck, cv, st, steps, counts
+  return ck, cv, _pack(st), steps, counts
 
 
 # ----------------------------------------------------------------------------- compiled step set
@@ -193,7 +231,6 @@ class StepSet:
     self.spec, self.mesh = spec, mesh
     n = mesh.size
     rep = NamedSharding(mesh, P())
-    self.rep = rep
     self.rest_sharding = jax.tree.map(lambda _: rep, rest_abstract)
     exp_sh = NamedSharding(mesh, expert_spec())
     self.expert_sharding = {k: exp_sh for k in EXPERT_KEYS}
@@ -202,7 +239,8 @@ class StepSet:
     self.state_sharding = {k: NamedSharding(mesh, batch_spec(len(v.shape)))
                            for k, v in st_shapes.items()}
     self.worker_sharding = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
-    self.worker2_sharding = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch"), None))
+    self.host_spec = P(mesh_lib.mesh_axis("batch"), None)
+    self.host_sharding = NamedSharding(mesh, self.host_spec)
     cfg = spec.cfg
     nb, s = n * spec.slots_per_worker, spec.expert_slots
     kv_shape = (cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
@@ -211,7 +249,6 @@ class StepSet:
     self.abstract_experts = {
         k: jax.ShapeDtypeStruct((v.shape[0], n * s) + v.shape[2:], v.dtype, sharding=exp_sh)
         for k, v in experts_abstract.items()}
-    self.abstract_e2s = jax.ShapeDtypeStruct((cfg.num_experts,), jnp.int32, sharding=rep)
     self.abstract_kv = jax.ShapeDtypeStruct(kv_shape, dt, sharding=self.cache_sharding)
     self.abstract_state = _abstract(st_shapes, self.state_sharding)
     self._compiled: dict[str, Any] = {}
@@ -222,63 +259,67 @@ class StepSet:
 
   def _prefill_jit(self):
     spec, n = self.spec, self.mesh.size
-    w = P(mesh_lib.mesh_axis("batch"))
-    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding), P(),
-                cache_spec(), cache_spec(), self._specs(self.state_sharding),
-                P(mesh_lib.mesh_axis("batch"), None), w, w, w, w, w, w, P(), P())
+    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding),
+                cache_spec(), cache_spec(), self._specs(self.state_sharding), self.host_spec)
     out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P())
     fn = jax.shard_map(functools.partial(_prefill_local, spec, n), mesh=self.mesh,
                        in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(fn, donate_argnums=(3, 4, 5))
+    return jax.jit(fn, donate_argnums=(2, 3, 4))
 
   def _decode_jit(self):
     spec, n = self.spec, self.mesh.size
-    w = P(mesh_lib.mesh_axis("batch"))
-    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding), P(),
-                cache_spec(), cache_spec(), self._specs(self.state_sharding), P(), w, w)
+    in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding),
+                cache_spec(), cache_spec(), self._specs(self.state_sharding), self.host_spec)
     out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P(), P())
     fn = jax.shard_map(functools.partial(_decode_local, spec, n), mesh=self.mesh,
                        in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(fn, donate_argnums=(3, 4, 5))
+    return jax.jit(fn, donate_argnums=(2, 3, 4))
+
+  def _args_abstract(self, host_cols: int):
+    host = jax.ShapeDtypeStruct((self.mesh.size, host_cols + self.spec.cfg.num_experts),
+                                jnp.int32, sharding=self.host_sharding)
+    return (self.abstract_rest, self.abstract_experts, self.abstract_kv, self.abstract_kv,
+            self.abstract_state, host)
 
   def prefill_args_abstract(self):
-    n = self.mesh.size
-    i32 = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
-    ws = self.worker_sharding
-    return (self.abstract_rest, self.abstract_experts, self.abstract_e2s, self.abstract_kv,
-            self.abstract_kv, self.abstract_state,
-            i32((n, self.spec.max_prompt_len), self.worker2_sharding), i32((n,), ws),
-            i32((n,), ws), i32((n,), ws), jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=ws),
-            i32((n,), ws), i32((n,), ws), i32((), self.rep), i32((), self.rep))
+    return self._args_abstract(self.spec.max_prompt_len + len(PREFILL_COLS))
 
   def decode_args_abstract(self):
-    n = self.mesh.size
-    ws = self.worker_sharding
-    b = lambda: jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=ws)
-    return (self.abstract_rest, self.abstract_experts, self.abstract_e2s, self.abstract_kv,
-            self.abstract_kv, self.abstract_state,
-            jax.ShapeDtypeStruct((), jnp.int32, sharding=self.rep), b(), b())
+    return self._args_abstract(len(DECODE_COLS))
+
+  def put_host(self, host: np.ndarray, e2s: np.ndarray) -> jax.Array:
+    """A step's host inputs (one row per worker, then the expert table) onto this mesh by a plain
+    transfer: a jnp array would be resharded onto a new mesh by a computation compiled at its
+    first use."""
+    table = np.broadcast_to(e2s, (host.shape[0], len(e2s)))
+    return jax.device_put(np.concatenate([host, table], 1).astype(np.int32), self.host_sharding)
 
   def compile(self) -> "StepSet":
     if not self._compiled:
       self._compiled["prefill"] = self._prefill_jit().lower(*self.prefill_args_abstract()).compile()
       self._compiled["decode"] = self._decode_jit().lower(*self.decode_args_abstract()).compile()
-      from flexfloor_jax import elastic  # the row movers for this mesh
       self._compiled.update(elastic.compile_movers(self))
       if self.spec.warm_up:
         self.warm_up()
     return self
 
   def warm_up(self):
-    """Run each executable once on placeholder inputs (no slot touched, zero steps), so the
-    first real call on this mesh after a release pays no first-call costs."""
+    """Run each executable once on placeholder inputs, with one live slot per worker and valid
+    mover indices: XLA:CPU compiles a kernel at its first execution, so a loop body (decode
+    steps, grouped-matmul tiles) or an in-range insert that warm-up skipped would be compiled on
+    the first real call after a release."""
     zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
-    args = list(jax.tree.map(zeros, self.prefill_args_abstract()))
-    args[8] = jax.device_put(np.full((self.mesh.size,), -1, np.int32), self.worker_sharding)
-    jax.block_until_ready(self._compiled["prefill"](*args))
-    args = jax.tree.map(zeros, self.decode_args_abstract())
-    jax.block_until_ready(self._compiled["decode"](*args))
-    idx = jax.device_put(np.full((self.mesh.size,), -1, np.int32), self.worker_sharding)
+    n, lp = self.mesh.size, self.spec.max_prompt_len
+    e = self.spec.cfg.num_experts
+    args = list(jax.tree.map(zeros, self.prefill_args_abstract()[:-1]))
+    e2s = np.zeros((e,), np.int32)
+    host = np.zeros((n, lp + len(PREFILL_COLS)), np.int32)
+    host[:, lp:lp + 3] = lp, 0, 2  # length, slot, limit: slot 0 of every worker stays live
+    args[2:5] = self._compiled["prefill"](*args, self.put_host(host, e2s))[:3]
+    host = np.zeros((n, len(DECODE_COLS)), np.int32)
+    host[:, 0] = 1  # one step
+    jax.block_until_ready(self._compiled["decode"](*args, self.put_host(host, e2s)))
+    idx = jax.device_put(np.zeros((n,), np.int32), self.worker_sharding)
     full = {"experts": self.abstract_experts,
             "slots": {"k": self.abstract_kv, "v": self.abstract_kv, **self.abstract_state}}
     for group, tree in full.items():
@@ -341,12 +382,27 @@ class StepCache:
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     self._futures: dict[int, Any] = {}
     self._sets: dict[int, StepSet] = {}
+    self._movers: Optional[dict] = None
+    self._movers_lock = threading.Lock()
 
   def mesh_for(self, n: int) -> Mesh:
     return mesh_lib.make_ep_mesh([self.devices[w] for w in self.chain[len(self.chain) - n:]])
 
   def _build(self, n: int) -> StepSet:
+    if n < len(self.chain) and jax.process_count() == 1:
+      self.slot_movers()  # a release onto this mesh runs them: ready with its executables
     return StepSet(self.spec, self.mesh_for(n), *self._abs).compile()
+
+  def slot_movers(self) -> dict:
+    """{device: elastic.SlotMovers} over the chain's devices, compiled once."""
+    with self._movers_lock:
+      if self._movers is None:
+        s = self.spec.expert_slots
+        shard = {k: jax.ShapeDtypeStruct((v.shape[0], s) + v.shape[2:], v.dtype)
+                 for k, v in self._abs[1].items()}
+        self._movers = {self.devices[w]: elastic.SlotMovers(shard, self.devices[w], s)
+                        for w in self.chain}
+      return self._movers
 
   def prefetch(self, sizes: Sequence[int]):
     for n in sizes:
@@ -438,6 +494,11 @@ class Engine:
     self.steps.prefetch([n, *[m for m in prefetch_sizes if m != n]])
     ss = self.steps.get(n)
     self.rest = jax.device_put(rest, ss.rest_sharding)
+    # The replicated weights never change: their views over every smaller mesh (the same
+    # buffers) are made now, not when a release waits for them.
+    self._rest_views = {m: jax.tree.map(
+        lambda a: elastic.reassemble(a, mesh_lib.replicated(self.steps.mesh_for(m)), a.shape),
+        self.rest) for m in range(1, n)}
     self.experts = slot_layout(experts, placement.slot_expert()[self.active],
                                ss.expert_sharding["w1"])
     self.set_placement(placement)
@@ -463,8 +524,7 @@ class Engine:
 
   def set_placement(self, placement: ExpertPlacement):
     self.placement = placement
-    e2s = placement.expert_to_slot(self.active).astype(np.int32)
-    self.e2s = jax.device_put(e2s, self.stepset.rep)
+    self.e2s = placement.expert_to_slot(self.active).astype(np.int32)  # sent with each step
 
   def add_sequences(self, seqs: dict[int, SeqInput]):
     lp = self.spec.max_prompt_len
@@ -480,11 +540,6 @@ class Engine:
   def active_workers(self) -> list[int]:
     return list(self.active)
 
-  def _scalar(self, x: int) -> jax.Array:
-    """An int32 scalar placed on the current mesh by a plain host transfer: a jnp scalar would be
-    resharded onto a new mesh by a computation compiled at its first use (after a release)."""
-    return jax.device_put(np.int32(x), self.stepset.rep)
-
   def _pos(self, worker: int) -> int:
     return self.active.index(worker)
 
@@ -497,25 +552,20 @@ class Engine:
   def prefill(self, assign: Sequence[tuple[int, int, int]]):
     ss, n = self.stepset, len(self.active)
     lp = self.spec.max_prompt_len
-    tokens = np.zeros((n, lp), np.int32)
-    lengths, slot, limit, phash, samp = (np.zeros((n,), np.int32) for _ in range(5))
-    slot[:] = -1
-    eos = np.zeros((n,), bool)
+    host = np.zeros((n, lp + len(PREFILL_COLS)), np.int32)  # tokens, then PREFILL_COLS
+    host[:, lp + 1] = -1  # slot: no prefill on this worker
+    host[:, -2:] = self.seed, self.epoch
     for worker, s, sid in assign:
       p = self._pos(worker)
-      if slot[p] >= 0:
+      if host[p, lp + 1] >= 0:
         raise ValueError(f"two prefills for worker {worker} in one step")
       q = self.seqs[sid]
-      tokens[p, : len(q.tokens)] = q.tokens
-      lengths[p], slot[p], limit[p] = len(q.tokens), s, q.limit
-      eos[p], phash[p], samp[p] = q.stop_eos, q.phash, q.sample
+      host[p, : len(q.tokens)] = q.tokens
+      host[p, lp:lp + 6] = len(q.tokens), s, q.limit, q.stop_eos, q.phash, q.sample
       self._slot_seq[(worker, s)] = sid
-    ws, w2 = ss.worker_sharding, ss.worker2_sharding
-    put = lambda a: jax.device_put(a, ws)
     self.cache_k, self.cache_v, self.state, counts = ss["prefill"](
-        self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
-        jax.device_put(tokens, w2), put(lengths), put(slot), put(limit), put(eos), put(phash),
-        put(samp), self._scalar(self.seed), self._scalar(self.epoch))
+        self.rest, self.experts, self.cache_k, self.cache_v, self.state,
+        ss.put_host(host, self.e2s))
     self.expert_counts += self._read(counts)[0]
     if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
       self._first_output_on_new_mesh(self.state)
@@ -523,12 +573,13 @@ class Engine:
 
   def decode(self, max_steps: int, stop_on_refill, stop_on_idle):
     ss = self.stepset
-    put = lambda a: jax.device_put(np.asarray(a, bool), ss.worker_sharding)
+    host = lambda k: ss.put_host(np.stack([np.full(len(self.active), k), stop_on_refill,
+                                           stop_on_idle], axis=1), self.e2s)  # DECODE_COLS
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
       # First step on a new mesh alone, to time release decision -> first output.
-      out = ss["decode"](self.rest, self.experts, self.e2s, self.cache_k, self.cache_v,
-                         self.state, self._scalar(1), put(stop_on_refill), put(stop_on_idle))
+      out = ss["decode"](self.rest, self.experts, self.cache_k, self.cache_v, self.state,
+                         host(1))
       self._first_output_on_new_mesh(out)
       self.cache_k, self.cache_v, self.state, steps, counts = out
       steps, counts = self._read(steps, counts)
@@ -539,8 +590,7 @@ class Engine:
         return total, finishes
       max_steps -= 1
     self.cache_k, self.cache_v, self.state, steps, counts = ss["decode"](
-        self.rest, self.experts, self.e2s, self.cache_k, self.cache_v, self.state,
-        self._scalar(max_steps), put(stop_on_refill), put(stop_on_idle))
+        self.rest, self.experts, self.cache_k, self.cache_v, self.state, host(max_steps))
     steps, counts = self._read(steps, counts)
     self.expert_counts += counts
     return total + int(steps), finishes + self._collect_finishes()
@@ -564,15 +614,15 @@ class Engine:
     return False
 
   def _collect_finishes(self):
-    """Finished sequences since the last call: read the small per-slot arrays once."""
-    live, = self._read(self.state["live"])
+    """Finished sequences since the last call: read the small per-slot array once."""
+    slots, = self._read(self.state["slots"])
+    live, n_gen = slots[:, COL["live"]], slots[:, COL["n_gen"]]
     b = self.spec.slots_per_worker
     done = [(w, s, sid) for (w, s), sid in self._slot_seq.items()
             if not live[self._pos(w) * b + s]]
     if not done:
       return []
-    n_gen, toks, lps = self._read(self.state["n_gen"], self.state["out_tokens"],
-                                  self.state["out_logprobs"])
+    toks, lps = self._read(self.state["out_tokens"], self.state["out_logprobs"])
     eos = self.spec.cfg.eos_id
     out = []
     from flexfloor_jax.policy.controller import Finish
@@ -595,7 +645,6 @@ class Engine:
     """Move live sequences (src_worker, src_slot, dst_worker, dst_slot); returns KV bytes sent."""
     if not moves:
       return 0
-    from flexfloor_jax import elastic
     ss, b = self.stepset, self.spec.slots_per_worker
     rows = [(self._pos(sw), ss_, self._pos(dw), ds) for sw, ss_, dw, ds in moves]
     tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
@@ -612,7 +661,6 @@ class Engine:
   def shrink(self, new_active: Sequence[int]) -> dict:
     """Release the workers not in `new_active` (a tail of the chain). Only the experts that lived
     on released workers move, into empty slots of the survivors (ExpertPlacement.after_release)."""
-    from flexfloor_jax import elastic
     t0 = time.perf_counter()
     new_active = list(new_active)
     if new_active != self.chain[len(self.chain) - len(new_active):]:
@@ -621,55 +669,63 @@ class Engine:
     live = [k for k in self._slot_seq if k[0] in released]
     if live:
       raise ValueError(f"workers {released} still hold live sequences {live}: migrate first")
-    old_ss = self.stepset
-    new_ss = self.steps.get(len(new_active))
+    n = len(new_active)
+    new_ss = self.steps.get(n)
     new_placement = self.placement.after_release(released, new_active)
-    old_pos = {w: i for i, w in enumerate(self.active)}
-    new_pos = {w: i for i, w in enumerate(new_active)}
-    # (old src pos, src slot, dst worker, dst slot) of every expert that leaves a released worker
-    moves = [(old_pos[a[0]], a[1], b[0], b[1]) for _, a, b in new_placement.moves_since(self.placement)]
-    moved_bytes = 0
-    experts = self.experts
-    pieces = []  # (dst worker, dst slot, {name: single-device array on dst})
-    if moves:
-      # Cut the moving experts out on the old mesh (one extract per slot round).
-      devs_old = list(old_ss.mesh.devices.reshape(-1))
-      wsh = old_ss.worker_sharding
-      by_src = {}
-      for m in moves:
-        by_src.setdefault(m[0], []).append(m)
-      rounds = max(len(v) for v in by_src.values())
-      for r in range(rounds):
-        idx = np.full((len(self.active),), -1, np.int32)
-        rnd = [v[r] for v in by_src.values() if len(v) > r]
-        for sp, sslot, _, _ in rnd:
-          idx[sp] = sslot
-        rows = old_ss["extract_experts"](experts, jax.device_put(idx, wsh))
-        if jax.process_count() > 1:  # no cross-host device_put: a permuting reshard instead
-          routed = elastic.route_rows(rows, {sp: self.devices[dw] for sp, _, dw, _ in rnd},
-                                      devs_old)
-          for sp, _, dw, ds in rnd:
-            moved_bytes += sum(a.nbytes // len(devs_old) for a in rows.values())
-            pieces.append((dw, ds, {name: r.get(self.devices[dw]) for name, r in routed.items()}))
-          continue
-        for sp, _, dw, ds in rnd:
-          bufs = {}
-          for name, arr in rows.items():
-            src_buf = elastic.shards_by_device(arr)[devs_old[sp]]
-            moved = jax.device_put(src_buf, self.devices[dw])
-            moved_bytes += moved.nbytes
-            bufs[name] = moved
-          pieces.append((dw, ds, bufs))
-    # 2. reassemble survivors' shards over the new mesh (no copy).
-    experts = elastic.shrink_tree(experts, new_ss.abstract_experts)
-    self.rest = jax.tree.map(
-        lambda a, t: elastic.reassemble(a, t.sharding, t.shape), self.rest, new_ss.abstract_rest)
+    # (src worker, src slot, dst worker, dst slot) of every expert that leaves a released worker
+    moves = [(*a, *b) for _, a, b in new_placement.moves_since(self.placement)]
+    if jax.process_count() > 1:
+      experts, moved_bytes = self._move_experts_routed(moves, new_ss, new_active)
+    else:
+      dev = self.devices
+      shards = {k: elastic.shards_by_device(a) for k, a in self.experts.items()}
+      moved_bytes = elastic.move_slots(shards, [(dev[sw], ss_, dev[dw], ds)
+                                                for sw, ss_, dw, ds in moves],
+                                       self.steps.slot_movers())
+      experts = {k: elastic.assemble(shards[k], t.sharding, t.shape, t.dtype)
+                 for k, t in new_ss.abstract_experts.items()}
+    # Reassemble the survivors' shards over the new mesh (no copy).
+    self.rest = self._rest_views.pop(n)
+    self._rest_views = {m: v for m, v in self._rest_views.items() if m < n}
     tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
     tgt = {"k": new_ss.abstract_kv, "v": new_ss.abstract_kv, **new_ss.abstract_state}
     tree = elastic.shrink_tree(tree, tgt)
     self.cache_k, self.cache_v = tree.pop("k"), tree.pop("v")
     self.state = tree
-    # 3. write the moved experts into empty slots of the survivors (donated, in place).
+    self.experts = experts
+    self.active = new_active
+    self.set_placement(new_placement)
+    # No host sync here: the movers and the first step on the new mesh queue back to back.
+    self._pending_release_t0 = t0
+    return {"released": released, "expert_bytes_moved": int(moved_bytes),
+            "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}
+
+  def _move_experts_routed(self, moves, new_ss, new_active) -> tuple[dict, int]:
+    """Multi-controller expert moves (no cross-host device_put): SPMD extract on the old mesh,
+    a permuting reshard, SPMD insert into the survivors' empty slots on the new mesh. Returns
+    (experts over the new mesh, bytes this process counted)."""
+    old_ss = self.stepset
+    old_pos = {w: i for i, w in enumerate(self.active)}
+    new_pos = {w: i for i, w in enumerate(new_active)}
+    moved_bytes = 0
+    pieces = []  # (dst worker, dst slot, {name: buffer on dst, None on another process})
+    devs_old = list(old_ss.mesh.devices.reshape(-1))
+    by_src = {}
+    for sw, ss_, dw, ds in moves:
+      by_src.setdefault(old_pos[sw], []).append((old_pos[sw], ss_, dw, ds))
+    for r in range(max((len(v) for v in by_src.values()), default=0)):
+      # Cut the moving experts out on the old mesh (one extract per slot round).
+      idx = np.full((len(self.active),), -1, np.int32)
+      rnd = [v[r] for v in by_src.values() if len(v) > r]
+      for sp, sslot, _, _ in rnd:
+        idx[sp] = sslot
+      rows = old_ss["extract_experts"](self.experts, jax.device_put(idx, old_ss.worker_sharding))
+      routed = elastic.route_rows(rows, {sp: self.devices[dw] for sp, _, dw, _ in rnd}, devs_old)
+      for sp, _, dw, ds in rnd:
+        moved_bytes += sum(a.nbytes // len(devs_old) for a in rows.values())
+        pieces.append((dw, ds, {name: r.get(self.devices[dw]) for name, r in routed.items()}))
+    experts = elastic.shrink_tree(self.experts, new_ss.abstract_experts)
+    # Write the moved experts into empty slots of the survivors (donated, in place).
     rows_abs = new_ss["rows_experts"]
     devs_new = list(new_ss.mesh.devices.reshape(-1))
     dummy = new_ss["zeros_experts"]
@@ -692,10 +748,4 @@ class Engine:
         idx[new_pos[dw]] = ds
       experts = new_ss["insert_experts"](experts, row_tree,
                                          jax.device_put(idx, new_ss.worker_sharding))
-    self.experts = experts
-    self.active = new_active
-    self.set_placement(new_placement)
-    # No host sync here: the movers and the first step on the new mesh queue back to back.
-    self._pending_release_t0 = t0
-    return {"released": released, "expert_bytes_moved": int(moved_bytes),
-            "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}
+    return experts, moved_bytes

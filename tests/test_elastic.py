@@ -125,7 +125,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
     return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
 
   before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                        "tokens": eng.state["tokens"]}.items()}
+                                        "slots": eng.state["slots"]}.items()}
   held = placement.slot_expert()
   released = [0, 1]
   expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
@@ -134,7 +134,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   assert stats["expert_bytes_moved"] == expected > 0
   survivors = {devices[w].id for w in chain[2:]}
   after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                       "tokens": eng.state["tokens"]}.items()}
+                                       "slots": eng.state["slots"]}.items()}
   for k in before:
     assert set(after[k]) == survivors
     for d in survivors:
