@@ -44,6 +44,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rl.updates_per_step = 1  # optimizer steps per rollout (full batch each)
   c.rl.tile_m = 8  # expert GEMM tile of the training forward (the rollout decode's)
   c.rl.released_logprobs = True  # flexfloor: released workers score finished responses
+  # Replay the rollout's routing (recorded per token) in the training forward; released-worker
+  # scoring is then off (its one-device programs do not replay)
+  c.rl.routing_replay = False
 
   c.sft = ml_collections.ConfigDict()
   c.sft.steps = 200

@@ -40,6 +40,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rollout.epoch = 0  # workload epoch / RL step (keys sampling, drives length history)
   c.rollout.steps_per_dispatch = 8  # decode steps per device dispatch (host checks in between)
   c.rollout.wait_compiles = False  # True: compile every mesh size before the first step
+  # True: responses carry "routes", every fed token's top-k experts per layer [pos, L, K]
+  # (RL routing replay; also written to responses.jsonl)
+  c.rollout.record_routes = False
   c.rollout.output_dir = "rollout_out"
 
   c.sampling = ml_collections.ConfigDict()

@@ -56,6 +56,7 @@ class EngineSpec:
   moe_backend: str = "xla"
   interpret: bool = False
   warm_up: bool = True  # run each executable once at compile time (placeholder inputs)
+  record_routes: bool = False  # keep every token's top-k experts per layer (RL routing replay)
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
     return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
@@ -103,6 +104,10 @@ def state_shapes(spec: EngineSpec, n: int) -> dict[str, jax.ShapeDtypeStruct]:
       "slots": jax.ShapeDtypeStruct((nb, len(SLOT_COLS)), jnp.int32),
       "out_tokens": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
       "out_logprobs": jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
+      # [slot, position, layer, k]: the experts each fed token used (routing replay)
+      **({"routes": jax.ShapeDtypeStruct(
+          (nb, spec.max_seq_len, spec.cfg.num_layers, spec.cfg.top_k), jnp.int32)}
+         if spec.record_routes else {}),
   }
 
 
@@ -113,6 +118,8 @@ def _unpack(st: dict) -> dict:
   out.update(live=a[:, COL["live"]] != 0, stop_eos=a[:, COL["stop_eos"]] != 0,
              key=jax.lax.bitcast_convert_type(a[:, COL["key0"]:COL["key1"] + 1], jnp.uint32),
              out_tokens=st["out_tokens"], out_logprobs=st["out_logprobs"])
+  if "routes" in st:
+    out["routes"] = st["routes"]
   return out
 
 
@@ -120,8 +127,11 @@ def _pack(st: dict) -> dict:
   key = jax.lax.bitcast_convert_type(st["key"], jnp.int32)
   cols = [key[:, i - COL["key0"]] if k.startswith("key") else st[k].astype(jnp.int32)
           for i, k in enumerate(SLOT_COLS)]
-  return {"slots": jnp.stack(cols, 1), "out_tokens": st["out_tokens"],
-          "out_logprobs": st["out_logprobs"]}
+  out = {"slots": jnp.stack(cols, 1), "out_tokens": st["out_tokens"],
+         "out_logprobs": st["out_logprobs"]}
+  if "routes" in st:
+    out["routes"] = st["routes"]
+  return out
 
 
 def _abstract(tree, shardings):
@@ -171,6 +181,10 @@ def _prefill_local(spec: EngineSpec, n: int, rest, experts, cache_k, cache_v, st
   st["key"] = upd(st["key"], keys)
   st["out_tokens"] = st["out_tokens"].at[idx, 0].set(tok, mode="drop")
   st["out_logprobs"] = st["out_logprobs"].at[idx, 0].set(lp, mode="drop")
+  if "routes" in st:  # the prompt's experts: aux [L, P*T, K] -> rows [P, T, L, K]
+    p, t = tokens_PT.shape
+    r = jnp.transpose(aux["experts"].reshape(cfg.num_layers, p, t, -1), (1, 2, 0, 3))
+    st["routes"] = st["routes"].at[idx, :t].set(r, mode="drop")
   return cache.k, cache.v, _pack(st), aux["expert_counts"].sum(0)
 
 
@@ -197,6 +211,10 @@ def _decode_local(spec: EngineSpec, n: int, rest, experts, cache_k, cache_v, st,
     st = dict(st)
     st["out_tokens"] = st["out_tokens"].at[rows, col].set(tok, mode="drop")
     st["out_logprobs"] = st["out_logprobs"].at[rows, col].set(lp, mode="drop")
+    if "routes" in st:  # the fed token's experts at its position: aux [L, B, K] -> [B, L, K]
+      pos = jnp.where(live, st["positions"], spec.max_seq_len)
+      st["routes"] = st["routes"].at[rows, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)),
+                                                    mode="drop")
     n_gen = st["n_gen"] + live.astype(jnp.int32)
     finished = live & ((n_gen >= st["limit"]) | (st["stop_eos"] & (tok == cfg.eos_id)))
     st["n_gen"] = n_gen
@@ -369,6 +387,7 @@ class SeqOutput:
   finish_reason: str
   worker: int
   slot: int
+  routes: Optional[np.ndarray] = None  # [prompt + tokens - 1, L, K] when spec.record_routes
 
 
 class StepCache:
@@ -623,6 +642,7 @@ class Engine:
     if not done:
       return []
     toks, lps = self._read(self.state["out_tokens"], self.state["out_logprobs"])
+    routes = self._read(self.state["routes"])[0] if "routes" in self.state else None
     eos = self.spec.cfg.eos_id
     out = []
     from flexfloor_jax.policy.controller import Finish
@@ -635,7 +655,9 @@ class Engine:
         reason = "eos"
       else:
         reason = "target" if q.fixed_length else "length"
-      self.outputs[sid] = SeqOutput(tk, lps[row, :k].tolist(), reason, w, s)
+      fed = len(q.tokens) + k - 1  # positions that went through the model
+      self.outputs[sid] = SeqOutput(tk, lps[row, :k].tolist(), reason, w, s,
+                                    None if routes is None else routes[row, :fed].copy())
       del self._slot_seq[(w, s)]
       out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason))
     return out

@@ -292,7 +292,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
       moe_backend=config.model.moe_backend,
-      interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu")
+      interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
+      record_routes=bool(r.get("record_routes", False)))
   sizes = list(range(floor, n)) if flex else []
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
                           epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes[::-1])
@@ -359,7 +360,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     text = tokenizer.decode(o.tokens) if tokenizer is not None else None
     responses.append({"prompt_id": s.prompt_id, "sample": s.sample, "tokens": o.tokens,
                       "text": text, "finish_reason": o.finish_reason,
-                      "num_tokens": len(o.tokens), "logprobs": o.logprobs, "worker": o.worker})
+                      "num_tokens": len(o.tokens), "logprobs": o.logprobs, "worker": o.worker,
+                      **({} if o.routes is None else {"routes": o.routes})})
   m = jsonable(m)
   history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
   tl = record.timeline

@@ -30,9 +30,17 @@ def _det(rows):
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-  """An uninterrupted 3-step flexfloor run (checkpoints after steps 2 and 3)."""
+  """An uninterrupted 3-step run (checkpoints after steps 2 and 3)."""
   out = tmp_path_factory.mktemp("straight")
-  return out, train.train(grpo_config(out, steps=3, schedule="flexfloor"))
+  return out, train.train(_config(out))
+
+
+def _config(out):
+  """3 flexfloor steps replaying the rollout's routing (rl.routing_replay) in the training
+  forward."""
+  c = grpo_config(out, steps=3, schedule="flexfloor")
+  c.rl.routing_replay = True
+  return c
 
 
 def test_metrics_files_and_names(straight):
@@ -41,7 +49,7 @@ def test_metrics_files_and_names(straight):
   for r in rows:
     for k in VERL_KEYS:
       assert k in r and r[k] is not None, k
-    assert r["rollout/logprob_max_abs_diff"] <= 1e-4  # rollout vs training forward
+    assert r["rollout/logprob_max_abs_diff"] <= 1e-4  # rollout vs training forward (replayed)
   assert os.path.getsize(out / "metrics.png") > 0
   assert train.latest_checkpoint(grpo_config(out))[0] == 3
   h = scheduler.LengthHistory.load(str(out / "history.json"))
@@ -54,14 +62,15 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
   """kill -9 after the step-2 checkpoint is complete (during step 3), restart: steps 3.. equal
   the straight run bitwise; the checkpoint's length history wins over a newer history file."""
   _, full = straight
-  cfg = grpo_config(tmp_path, steps=3, schedule="flexfloor")
+  cfg = _config(tmp_path)
   args = [sys.executable, "-m", "flexfloor_jax.rl.train", "--config=configs/grpo.py",
           f"--config.output_dir={tmp_path}", "--config.steps=3", "--config.checkpoint_every=2",
           "--config.model.checkpoint=", "--config.model.max_seq_len=40",
           "--config.rollout.max_prompt_len=24", "--config.rollout.max_new_tokens=12",
           "--config.rollout.samples_per_prompt=2", "--config.rollout.slots_per_worker=1",
           "--config.rl.num_prompts=4", "--config.rl.task_size=2",
-          f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}"]
+          f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}",
+          "--config.rl.routing_replay=true"]
   # The trainer CLI reads the suite's persistent compilation cache (warmed by `straight`).
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
              FLEXFLOOR_JAX_CACHE=CACHE)

@@ -63,3 +63,47 @@ def test_replayed_routing_ep_equals_dense_reference():
   assert diff <= TOL
   own_ep = np.asarray(a.logprobs(p, tokens, valid))  # and without replay: its own routing
   assert np.abs(own_ep - _logp(logits_own, tokens))[m].max() <= TOL
+
+
+def test_rollout_records_routes_and_replay_matches_rollout(tmp_path):
+  """rollout.record_routes: each response carries its tokens' experts per layer; they are the
+  experts the training forward picks for the same tokens, and replaying them reproduces the
+  rollout's log-probs (<= 1e-4)."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.rl import tasks, train
+  from flexfloor_jax.tokenizer import ByteTokenizer
+
+  from rl_utils import grpo_config
+
+  c = grpo_config(tmp_path)
+  c.rollout.prompts, c.rollout.output_dir = str(tmp_path / "prompts.jsonl"), str(tmp_path)
+  c.rollout.record_routes = True
+  rows = tasks.make_prompts(c.rl.tasks, c.rl.num_prompts, seed=9, size=2)
+  tasks.write_prompts_jsonl(rows, c.rollout.prompts)
+  cfg = PRESETS["tiny"]
+  params = tfm.init_params(cfg, jax.random.key(13), scale=0.1)
+  tok = ByteTokenizer()
+  res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
+                   progress=False)
+  ptoks = {r["id"]: tok.encode(r["prompt"], add_bos=True) for r in rows}
+  for r in res.responses:
+    fed = len(ptoks[r["prompt_id"]]) + r["num_tokens"] - 1
+    assert r["routes"].shape == (fed, cfg.num_layers, cfg.top_k)
+  t_max = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  batch, roll = train.build_batch(res.responses, ptoks, np.zeros(len(res.responses)),
+                                  c.rollout.samples_per_prompt, t_max, 8)
+  # the training forward's own routing at every fed position (dense reference, one device)
+  _, aux = tfm.forward(params, cfg, jnp.asarray(batch["tokens"]), valid_BT=batch["valid"])
+  own = np.asarray(aux["experts"]).reshape(cfg.num_layers, *batch["tokens"].shape, cfg.top_k)
+  own = np.transpose(own, (1, 2, 0, 3))
+  same = [np.array_equal(np.sort(own[i, :len(r["routes"])], -1), np.sort(r["routes"], -1))
+          for i, r in enumerate(res.responses)]
+  assert all(same), f"{sum(same)} of {len(same)} responses routed alike"
+  mesh = mesh_lib.make_ep_mesh(jax.devices())
+  a = actor.Actor(actor.ActorSpec(cfg, 8, temperature=1.0), mesh, None)
+  lp = a.logprobs(actor.shard_params(params, mesh), batch["tokens"], batch["valid"],
+                  batch["route"])
+  m = batch["mask"]
+  diff = np.abs(lp - roll)[m].max()
+  print(f"replayed routing vs rollout log-probs: max|diff| {diff:.3g}")
+  assert diff <= TOL

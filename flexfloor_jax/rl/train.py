@@ -146,7 +146,9 @@ def plot_metrics(rows: list[dict], path: str) -> None:
 
 def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max: int,
                 num_workers: int):
-  """Right-padded [B', T] arrays (B' = B rounded up to the workers; padding rows are masked)."""
+  """Right-padded [B', T] arrays (B' = B rounded up to the workers; padding rows are masked);
+  with recorded routes also route [B', T, L, K] (positions never fed keep expert ids 0..K-1:
+  their outputs reach no log-prob)."""
   b = len(responses)
   bp = -(-b // num_workers) * num_workers
   toks = np.zeros((bp, t_max), np.int32)
@@ -161,7 +163,14 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
     roll[i, len(p) - 1:len(p) - 1 + n] = r["logprobs"]
   adv = np.zeros((bp,), np.float32)
   adv[:b] = group_advantages(rewards, group_size)
-  return {"tokens": toks, "valid": valid, "mask": mask, "adv": adv}, roll
+  out = {"tokens": toks, "valid": valid, "mask": mask, "adv": adv}
+  if responses and "routes" in responses[0]:
+    _, nl, k = np.shape(responses[0]["routes"])
+    route = np.broadcast_to(np.arange(k, dtype=np.int32), (bp, t_max, nl, k)).copy()
+    for i, r in enumerate(responses):
+      route[i, :len(r["routes"])] = r["routes"]
+    out["route"] = route
+  return out, roll
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -258,7 +267,8 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
   rollout_params = actor_lib.replicate(params, mesh)
   # Released workers score finished responses during the rollout (flexfloor; one process).
   scorer = None
-  if rl.released_logprobs and config.schedule == "flexfloor" and jax.process_count() == 1:
+  if (rl.released_logprobs and not rl.routing_replay and config.schedule == "flexfloor"
+      and jax.process_count() == 1):
     from flexfloor_jax.rl.reuse import ReleasedScorer
     scorer = ReleasedScorer(spec, devices, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), t_max)
@@ -270,6 +280,7 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     c.rollout.prompts = prompts_path
     c.rollout.epoch = step - 1
     c.rollout.output_dir = out
+    c.rollout.record_routes = bool(rl.routing_replay)
     with pool.installed():
       t0 = time.perf_counter()
       if scorer is not None:
@@ -294,8 +305,9 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
       old_lp[i] = done[(resp[i]["prompt_id"], resp[i]["sample"])]
     rest = np.setdiff1d(np.arange(len(old_lp)), on_released)
     if len(rest):
-      old_lp[rest] = act.logprobs(params, batch["tokens"][rest], batch["valid"][rest])
-    ref_lp = (act.logprobs(ref_params, batch["tokens"], batch["valid"])
+      old_lp[rest] = act.logprobs(params, batch["tokens"][rest], batch["valid"][rest],
+                                  batch["route"][rest] if "route" in batch else None)
+    ref_lp = (act.logprobs(ref_params, batch["tokens"], batch["valid"], batch.get("route"))
               if ref_params is not None else old_lp)
     t_lp = time.perf_counter() - t0
     diff = np.abs(old_lp - roll_lp)[batch["mask"]]
