@@ -58,6 +58,7 @@ def test_metrics_files_and_names(straight):
   assert rows[-1]["actor/kl"] > 0 and all(r["actor/grad_norm"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_bitwise(straight, tmp_path):
   """kill -9 after the step-2 checkpoint is complete (during step 3), restart: steps 3.. equal
   the straight run bitwise; the checkpoint's length history wins over a newer history file."""
