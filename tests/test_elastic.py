@@ -1,6 +1,5 @@
 """Elastic expert parallelism: releases happen, change no token, move only what they must."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -10,22 +9,18 @@ import numpy as np
 import pytest
 
 from flexfloor_jax import engine as engine_lib
+from flexfloor_jax.cli import load_config
 from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.policy import planner
 from flexfloor_jax.sampling import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(__file__))
 MODEL = PRESETS["tiny"].replace(num_layers=2)
 
 
 def get_config():
-  spec = importlib.util.spec_from_file_location("mixtral_cfg", os.path.join(ROOT, "configs",
-                                                                            "mixtral.py"))
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  c = mod.get_config("tiny")
+  c = load_config("mixtral", "tiny")
   c.rollout.num_prompts = 4
   c.rollout.samples_per_prompt = 4
   c.rollout.max_new_tokens = 32
