@@ -10,9 +10,10 @@ it, with transfers that can be counted:
   those transfers), and written into an empty slot by a compiled single-device `put` that donates
   the survivor's buffer, so the survivor's existing buffers stay where they are (multi-controller:
   SPMD `extract`/`insert` steps around a permuting reshard instead);
-- a migrated sequence (compaction) moves its KV rows and slot state with the SPMD steps.
+- a migrated sequence (compaction) moves its KV rows and slot state the same way: a single-device
+  `take`, one transfer, a donating `put` (RowMovers; multi-controller: the SPMD steps).
 The SPMD movers are compiled per mesh ahead of time with the decode step (StepSet.compile), the
-single-device ones per device (SlotMovers), both off the critical path.
+single-device ones per device (SlotMovers, RowMovers), both off the critical path.
 """
 
 from __future__ import annotations
@@ -109,6 +110,50 @@ class SlotMovers:
     # First executions compile XLA:CPU kernels: run both once here, on placeholders.
     t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
     jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
+
+
+class RowMovers:
+  """Single-device movers of sequence slots (compaction), for one device's shard of the KV cache
+  and slot state {name: [.., B, ..]} (row axis per `_row_axis_of`): a migrated sequence costs a
+  `take` on its source device, one transfer and a `put` on its destination, instead of an SPMD
+  extract and insert on every device of the mesh per round."""
+
+  def __init__(self, shard_abstract: dict, device: jax.Device, rows: int):
+    sh = SingleDeviceSharding(device)
+    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+            for k, v in shard_abstract.items()}
+    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+
+    def take(t, i):
+      return {k: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=_row_axis_of(k)) for k, x in t.items()}
+
+    def put(t, row, i):
+      return {k: jax.lax.dynamic_update_slice_in_dim(x, row[k], i, axis=_row_axis_of(k))
+              for k, x in t.items()}
+
+    self.take = jax.jit(take).lower(tree, idx).compile()
+    row_abs = jax.eval_shape(take, tree, idx)
+    row_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in row_abs.items()}
+    self.put = jax.jit(put, donate_argnums=0).lower(tree, row_abs, idx).compile()
+    self.row = [jax.device_put(np.int32(r), device) for r in range(rows)]
+    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
+    jax.block_until_ready(self.put(t, self.take(t, self.row[0]), self.row[0]))
+
+
+def move_seq_rows(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
+  """Move sequence slots between devices: `shards` {name: {device: buffer}} (updated in place),
+  `moves` (src device, src row, dst device, dst row) with distinct sources and destinations,
+  `movers` {device: RowMovers}. The source rows are left as they are (the caller frees them).
+  Returns the bytes transferred."""
+  if not moves:
+    return 0
+  on = lambda d: {k: b[d] for k, b in shards.items()}
+  rows = [movers[sd].take(on(sd), movers[sd].row[sr]) for sd, sr, _, _ in moves]
+  sent = jax.device_put(rows, [dd for _, _, dd, _ in moves])  # one batched transfer
+  for (_, _, dd, dr), row in zip(moves, sent):
+    for k, b in movers[dd].put(on(dd), row, movers[dd].row[dr]).items():
+      shards[k][dd] = b
+  return sum(x.nbytes for r in sent for x in r.values())
 
 
 def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:

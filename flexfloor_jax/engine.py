@@ -402,6 +402,7 @@ class StepCache:
     self._futures: dict[int, Any] = {}
     self._sets: dict[int, StepSet] = {}
     self._movers: Optional[dict] = None
+    self._row_movers: Optional[dict] = None
     self._movers_lock = threading.Lock()
 
   def mesh_for(self, n: int) -> Mesh:
@@ -409,8 +410,24 @@ class StepCache:
 
   def _build(self, n: int) -> StepSet:
     if n < len(self.chain) and jax.process_count() == 1:
+      self.row_movers()  # migrations (compaction) run them on every mesh
       self.slot_movers()  # a release onto this mesh runs them: ready with its executables
     return StepSet(self.spec, self.mesh_for(n), *self._abs).compile()
+
+  def row_movers(self) -> dict:
+    """{device: elastic.RowMovers} over the chain's devices, compiled once."""
+    with self._movers_lock:
+      if self._row_movers is None:
+        cfg, b = self.spec.cfg, self.spec.slots_per_worker
+        kv = jax.ShapeDtypeStruct((cfg.num_layers, b, self.spec.max_seq_len, cfg.num_kv_heads,
+                                   cfg.head_dim), tfm.dtype_of(cfg))
+        shard = {"k": kv, "v": kv, **state_shapes(self.spec, 1)}
+        self._row_movers = {self.devices[w]: elastic.RowMovers(shard, self.devices[w], b)
+                            for w in self.chain}
+      return self._row_movers
+
+  def row_movers_ready(self) -> bool:
+    return self._row_movers is not None
 
   def slot_movers(self) -> dict:
     """{device: elastic.SlotMovers} over the chain's devices, compiled once."""
@@ -533,6 +550,7 @@ class Engine:
     self.expert_counts = np.zeros((spec.cfg.num_experts,), np.int64)
     self.compiles_after_start = 0
     self._pending_release_t0: Optional[float] = None
+    self._migrate_t0: Optional[float] = None  # a plan's migration: its release decision time
     self.release_latencies: list[float] = []
     self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
 
@@ -569,6 +587,7 @@ class Engine:
 
   # -- steps
   def prefill(self, assign: Sequence[tuple[int, int, int]]):
+    self._migrate_t0 = None  # a migration without a release
     ss, n = self.stepset, len(self.active)
     lp = self.spec.max_prompt_len
     host = np.zeros((n, lp + len(PREFILL_COLS)), np.int32)  # tokens, then PREFILL_COLS
@@ -591,6 +610,7 @@ class Engine:
     return self._collect_finishes()
 
   def decode(self, max_steps: int, stop_on_refill, stop_on_idle):
+    self._migrate_t0 = None
     ss = self.stepset
     host = lambda k: ss.put_host(np.stack([np.full(len(self.active), k), stop_on_refill,
                                            stop_on_idle], axis=1), self.e2s)  # DECODE_COLS
@@ -667,10 +687,20 @@ class Engine:
     """Move live sequences (src_worker, src_slot, dst_worker, dst_slot); returns KV bytes sent."""
     if not moves:
       return 0
+    self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
     ss, b = self.stepset, self.spec.slots_per_worker
-    rows = [(self._pos(sw), ss_, self._pos(dw), ds) for sw, ss_, dw, ds in moves]
     tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
-    tree, nbytes = elastic.move_rows(ss, "slots", tree, rows)
+    if jax.process_count() == 1 and self.steps.row_movers_ready():
+      dev = self.devices
+      shards = {k: elastic.shards_by_device(a) for k, a in tree.items()}
+      nbytes = elastic.move_seq_rows(shards, [(dev[sw], s_, dev[dw], ds)
+                                              for sw, s_, dw, ds in moves],
+                                     self.steps.row_movers())
+      tree = {k: elastic.assemble(shards[k], a.sharding, a.shape, a.dtype)
+              for k, a in tree.items()}
+    else:  # multi-controller, or the movers are still compiling: SPMD extract/insert rounds
+      rows = [(self._pos(sw), ss_, self._pos(dw), ds) for sw, ss_, dw, ds in moves]
+      tree, nbytes = elastic.move_rows(ss, "slots", tree, rows)
     self.cache_k, self.cache_v = tree.pop("k"), tree.pop("v")
     self.state = tree
     for sw, s_, dw, ds in moves:
@@ -718,7 +748,9 @@ class Engine:
     self.active = new_active
     self.set_placement(new_placement)
     # No host sync here: the movers and the first step on the new mesh queue back to back.
-    self._pending_release_t0 = t0
+    # The latency counts from the decision: the plan's migrations when it had any.
+    self._pending_release_t0 = t0 if self._migrate_t0 is None else self._migrate_t0
+    self._migrate_t0 = None
     return {"released": released, "expert_bytes_moved": int(moved_bytes),
             "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}
 

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from flexfloor_jax import elastic
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.cli import load_config
 from flexfloor_jax import runner
@@ -114,6 +115,19 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
                      for i in range(4)})
   eng.prefill([(4, 0, 0), (7, 1, 1)])
   eng.decode(3, np.zeros(8, bool), np.zeros(8, bool))
+  # A migration (compaction) by the single-device movers equals the SPMD extract/insert path.
+  eng.steps.wait_all()
+  assert eng.steps.row_movers_ready()
+  tree = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  copy = jax.tree.map(lambda a: a.copy(), tree)
+  spmd, spmd_bytes = elastic.move_rows(eng.stepset, "slots", copy, [(7, 1, 5, 0)])
+  kv_bytes = eng.migrate([(7, 1, 5, 0)])
+  moved = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(spmd[k]), err_msg=k)
+  row = lambda a: a.nbytes // a.shape[1]  # one slot of the cache (all layers)
+  assert kv_bytes == row(eng.cache_k) + row(eng.cache_v) > 0
+  assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for a in eng.state.values())
 
   def pointers(arr):
     return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}

@@ -11,6 +11,11 @@ Loop, until every sequence has finished:
       queue frees a slot (so it refills: continuous batching) or when the policy asks.
 (c) sits after admission so a sequence that finished at prefill can free its worker before the
 next dispatch; it also runs once before the first step, for workers the placement gave nothing.
+Right after (c) shrinks the active set, while sequences are live, the first step on the new mesh
+is one decode step and the admissions the release made possible (queues moved off released
+workers) follow it: a release then costs its survivors one decode step plus the shrink, not a
+prefill on top (a prefill costs ~2 decode steps on 8 emulated workers), and those seqs start one
+step later.
 
 The controller keeps its own slot table (it knows what it assigned; finishes free slots) and checks
 every Finish against it, so an executor that misbehaves fails loudly instead of skewing metrics.
@@ -167,9 +172,11 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
 
   if policy.enabled:  # workers the placement gave nothing go before the first step
     _release(st, policy, executor, tl, clock, where)
+  shrunk = False  # the active set shrank since the last decode dispatch
   while len(done) < len(seqs):
     # (a) admission: one prefill step per round while any active worker can take a queued seq
-    while True:
+    # (right after a shrink, a decode step on the new mesh goes first; see the module doc)
+    while not (shrunk and where):
       assign = []
       for w in st.active:
         free = st.free_slots(w)
@@ -194,7 +201,9 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
       break
     # (c) release, right before the dispatch so it runs on the fewest workers; after a change,
     # admit again (moved queues) and ask again
+    n_active = len(st.active)
     if policy.enabled and _release(st, policy, executor, tl, clock, where):
+      shrunk |= len(st.active) < n_active
       continue
     if not where:
       stuck = {w: list(q) for w, q in st.queues.items() if q}
@@ -206,12 +215,16 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
     else:
       stop_fin = stop_idle = np.zeros(len(st.active), bool)
     live0 = [len(st.live(w)) for w in st.active]
+    # admissions deferred by a shrink wait for one step only
+    pending = shrunk and any(st.queues[w] and st.free_slots(w) for w in st.active)
+    max_steps = 1 if pending else steps_per_dispatch
+    shrunk = False
     t0 = clock()
-    k, fins = executor.decode(steps_per_dispatch, refill | np.asarray(stop_fin, bool),
+    k, fins = executor.decode(max_steps, refill | np.asarray(stop_fin, bool),
                               np.asarray(stop_idle, bool))
     t1 = clock()
-    if not 1 <= k <= steps_per_dispatch:
-      raise ControllerError(f'decode ran {k} steps, asked for 1..{steps_per_dispatch}')
+    if not 1 <= k <= max_steps:
+      raise ControllerError(f'decode ran {k} steps, asked for 1..{max_steps}')
     tl.add_step('decode', st.step, k, st.active, live0, t0, t1)
     for f in fins:
       g = st.generated.get(f.seq_id)
