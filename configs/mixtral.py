@@ -59,4 +59,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # 'auto' = length-aware placement on the release chain; 'static' = the baseline's placement kept
   # (flexfloor then releases, and compacts when scheduler.compaction, but never reorders work)
   c.scheduler.placement = "auto"
+  # active-group sizes a release may leave, one compiled executable set each: '' = every size
+  # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
+  c.scheduler.release_sizes = ""
   return c

@@ -163,7 +163,7 @@ def run_bench(config, *, progress: bool = True):
         lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
         kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
                   placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
-                  epoch=k)
+                  epoch=k, sizes=s.get("release_sizes"))
         args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"],
                 s["floor"])
         plain, _ = sim.replay(*args, **kw)

@@ -261,6 +261,10 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
   slots = math.ceil(e / (floor if flex else n))
+  try:
+    allowed = planner.release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
+  except ValueError as err:
+    raise RolloutError(f"scheduler.release_sizes: {err}") from None
   history_path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
   if history is None:
     try:
@@ -274,7 +278,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
       placement=config.scheduler.get("placement", "auto"),
       compaction=bool(config.scheduler.compaction),
-      epoch=r.epoch)
+      epoch=r.epoch, sizes=allowed)
   predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
@@ -294,7 +298,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       moe_backend=config.model.moe_backend,
       interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
       record_routes=bool(r.get("record_routes", False)))
-  sizes = list(range(floor, n)) if flex else []
+  sizes = ([m for m in (allowed or range(floor, n)) if m < n] if flex else [])
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
                           epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes[::-1])
   by_prompt = {p.prompt_id: p for p in prompts}
@@ -310,7 +314,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   if r.wait_compiles or multi:  # (a timing-dependent floor would split the processes' plans)
     eng.steps.wait_all()
   elif flex:
-    policy = _ReadyFloor(policy, eng.steps, n)
+    policy = _ReadyFloor(policy, eng.steps, n, sizes)
   setup_s = time.perf_counter() - t_setup
 
   from flexfloor_jax.policy import controller
@@ -343,6 +347,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   m["prediction"] = scheduler.prediction_quality(predicted, actual) if len(history) else None
   m.update(schedule=config.schedule, lengths=mode, num_workers=n, floor=floor,
            expert_slots_per_worker=slots, slots_per_worker=b, setup_seconds=setup_s,
+           release_sizes=list(allowed) if allowed else None,
            release_latency_s=eng.release_latencies,
            expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
            num_sequences=len(seqs), num_prompts=len(prompts))
@@ -384,16 +389,18 @@ def _progress(total: int, enabled: bool):
 
 class _ReadyFloor:
   """Release policy whose floor is raised to the smallest mesh already compiled (sizes compile
-  from the largest down, so the ready ones are n..m)."""
+  from the largest down, so the ready ones are the first of `sizes`)."""
 
-  def __init__(self, policy, steps, n: int):
+  def __init__(self, policy, steps, n: int, sizes):
     self._policy, self._steps, self._n = policy, steps, n
-    self._floor = policy.floor
+    self._sizes = sorted(sizes, reverse=True)  # the smaller meshes, largest first
 
   def _update(self):
     m = self._n
-    while m - 1 >= self._floor and self._steps.ready(m - 1):
-      m -= 1
+    for k in self._sizes:
+      if not self._steps.ready(k):
+        break
+      m = k
     self._policy.floor = m
 
   def stop_masks(self, st):

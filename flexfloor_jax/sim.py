@@ -393,13 +393,15 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
            num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
            model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0, probe_after_release: bool = False,
-           num_experts: Optional[int] = None):
+           num_experts: Optional[int] = None, sizes=None):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
-  (slots: ceil(E / floor) for flexfloor, ceil(E / N) for static, as the runner preallocates)."""
+  (slots: ceil(E / floor) for flexfloor, ceil(E / N) for static, as the runner preallocates).
+  `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all)."""
   queues, policy, _ = plan_rollout(seqs, history, schedule, num_workers, slots_per_worker, floor,
                                    steps_per_dispatch=steps_per_dispatch, placement=placement,
-                                   compaction=compaction, epoch=epoch)
+                                   compaction=compaction, epoch=epoch,
+                                   sizes=tuple(sizes) if sizes else None)
   E = model.experts if model is not None else (num_experts or 8)
   slots = math.ceil(E / (floor if schedule == "flexfloor" else num_workers))
   pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
@@ -434,6 +436,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               seqs=[dataclasses.asdict(s) for s in seqs],
               lengths={str(k): int(v) for k, v in lengths.items()},
               history={p: {str(e): v for e, v in d.items()} for p, d in history.data.items()},
+              release_sizes=summary.get("release_sizes"),
               timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary})
 
 
@@ -458,7 +461,8 @@ def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
                 rec["floor"], cost=cost, model=model,
                 steps_per_dispatch=rec["steps_per_dispatch"],
                 placement=rec.get("placement", "auto"), compaction=rec.get("compaction", True),
-                epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8))
+                epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
+                sizes=rec.get("release_sizes"))
 
 
 def fit_records(recs: list[dict], name: str = "") -> LinearCost:

@@ -11,6 +11,7 @@ def grpo_config(out_dir, *, steps=3, schedule="flexfloor", lr=1e-3, checkpoint_e
   c = load_config("grpo", "tiny")
   c.steps, c.output_dir, c.checkpoint_every = steps, str(out_dir), checkpoint_every
   c.schedule = schedule
+  c.scheduler.release_sizes = "pow2"  # 4 compiled meshes instead of 8: test time
   c.model.checkpoint = ""
   c.model.max_seq_len = 40
   c.rollout.max_prompt_len = 24

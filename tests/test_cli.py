@@ -148,6 +148,8 @@ def _bad_cases(tmp, ckpt):
       "unknown_config_field": (["--config.rollout.max_new_tokenz=4"],
                                ["--config.rollout.max_new_tokenz", "max_new_tokenz"]),
       "bad_schedule": (["--config.schedule=verl"], ["schedule", "verl"]),
+      "bad_release_sizes": (["--config.scheduler.release_sizes=4,x"],
+                            ["scheduler.release_sizes", "'x'"]),
       "max_new_tokens_zero": (["--config.rollout.max_new_tokens=0"], ["rollout.max_new_tokens"]),
       "max_new_tokens_negative": (["--config.rollout.max_new_tokens=-3"],
                                   ["rollout.max_new_tokens"]),
@@ -230,6 +232,7 @@ def _bad_cases(tmp, ckpt):
 
 BAD_CASE_NAMES = (
     "unknown_preset", "missing_config_file", "unknown_config_field", "bad_schedule",
+    "bad_release_sizes",
     "max_new_tokens_zero", "max_new_tokens_negative", "too_many_devices", "prompts_missing",
     "prompts_bad_json", "prompts_missing_id", "prompt_longer_than_max_prompt_len",
     "prompt_longer_than_max_seq_len", "lengths_missing_file", "lengths_bad_json",

@@ -17,7 +17,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(REPO, ".jax_cache"))
 SMALL = ["--config.rollout.num_prompts=2", "--config.rollout.samples_per_prompt=8",
-         "--config.rollout.max_new_tokens=24", "--config.rollout.wait_compiles=True"]
+         "--config.rollout.max_new_tokens=24", "--config.rollout.wait_compiles=True",
+         "--config.scheduler.release_sizes=pow2"]  # 8 -> 4 -> 2 -> 1: fewer compiles
 
 
 def _env() -> dict:

@@ -5,7 +5,8 @@ import pytest
 
 from flexfloor_jax.policy import planner, scheduler, stepsim
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.planner import ExpertPlacement, FloorError, ReleasePolicy, floor_workers
+from flexfloor_jax.policy.planner import (ExpertPlacement, FloorError, ReleasePolicy, floor_workers,
+                                          release_sizes)
 
 
 def mkseqs(lengths, max_new=256):
@@ -45,6 +46,41 @@ def test_never_below_floor_and_chain_rule(floor):
     assert sorted(r['active']) == sorted(chain[len(chain) - len(r['active']):])
     assert len(r['active']) >= floor
   assert len(gone) == N - floor  # everything above the floor was released before the end
+
+
+@pytest.mark.parametrize('sizes', ['pow2', '5,3'])
+def test_release_sizes_only_allowed_groups(sizes):
+  """With scheduler.release_sizes the active group only ever has an allowed size, every
+  sequence still finishes exactly once, and it still gets down to the floor."""
+  rng = np.random.default_rng(11)
+  N, B, floor = 8, 2, 1
+  allowed = release_sizes(sizes, N, floor)
+  assert allowed == {'pow2': (8, 4, 2, 1), '5,3': (8, 5, 3, 1)}[sizes]
+  seqs = mkseqs(rng.integers(1, 150, 48))
+  chain = list(range(N))
+  pred = {s.seq_id: s.target_len * rng.uniform(0.6, 1.4) for s in seqs}
+  queues = scheduler.flexfloor_placement(seqs, list(pred.values()), chain, B, floor=floor)
+  ex = stepsim.SimExecutor(seqs, N, B)
+  from flexfloor_jax.policy.controller import run
+  rec = run(seqs, queues, ex, ReleasePolicy(floor=floor, chain=chain, predicted=pred,
+                                            sizes=allowed), 8)
+  assert {len(r['active']) for r in rec.timeline.steps} <= set(allowed)
+  assert sorted(rec.finishes) == [s.seq_id for s in seqs]
+  assert all(rec.finishes[s.seq_id].num_tokens == s.target_len for s in seqs)
+  assert sum(len(r['workers']) for r in releases(rec)) == N - floor
+  # every size is at least as good in device-steps (more places to stop)
+  ex2 = stepsim.SimExecutor(seqs, N, B)
+  rec2 = run(seqs, queues, ex2, ReleasePolicy(floor=floor, chain=chain, predicted=pred), 8)
+  assert rec2.metrics()['device_steps'] <= rec.metrics()['device_steps']
+
+
+def test_release_sizes_parsing():
+  assert release_sizes('', 8, 1) is None
+  assert release_sizes('6, 4,2', 8, 3) == (8, 6, 4, 3)
+  with pytest.raises(ValueError, match="'x' is not"):
+    release_sizes('4,x', 8, 1)
+  with pytest.raises(ValueError, match='>= 1'):
+    release_sizes('0', 8, 1)
 
 
 def test_swap_releases_idle_non_head():

@@ -149,6 +149,7 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
   from flexfloor_jax import bench, runner
   c = bench.run_config(bench.get_bench_config(), dict(schedule=schedule, placement="auto"), 0)
   c.sampling.seed = seed  # also the workload seed: another workload
+  c.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)
   hist = scheduler.LengthHistory()
   seqs, model_cfg = bench._seqs_for(c)
   with pool.installed():

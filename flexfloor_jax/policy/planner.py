@@ -21,6 +21,7 @@ A ReleasePolicy holds per-rollout state (the chain, its decisions): use a fresh 
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -48,6 +49,29 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
       f'(non-expert {nonexpert_bytes / gib:.2f} + {math.ceil(num_experts / max_workers)} of '
       f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f}) '
       f'but a device has {device_memory_bytes / gib:.2f} GiB')
+
+
+def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | None:
+  """Allowed active-group sizes from `scheduler.release_sizes`: '' = every size (None), 'pow2' =
+  powers of two, or a comma list; the full group and the floor are always allowed, sizes outside
+  [floor, num_workers] are dropped. Raises ValueError naming the bad entry."""
+  text = str(text).strip()
+  if not text:
+    return None
+  if text == 'pow2':
+    picked = {1 << i for i in range(num_workers.bit_length())}
+  else:
+    picked = set()
+    for part in text.split(','):
+      try:
+        m = int(part)
+      except ValueError:
+        raise ValueError(f"{part.strip()!r} is not 'pow2' or a comma list of sizes") from None
+      if m < 1:
+        raise ValueError(f'sizes must be >= 1, got {m}')
+      picked.add(m)
+  return tuple(sorted({m for m in picked if floor <= m <= num_workers} | {floor, num_workers},
+                      reverse=True))
 
 
 def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> float:
@@ -96,6 +120,10 @@ class ReleasePolicy:
   steal: bool = True  # move queued seqs off the critical worker onto spare slots
   steal_steps_per_step: float = 2.0  # device-steps a steal may add per step of completion gained
   decisions: list[dict] = field(default_factory=list)  # why each evacuation happened
+  # Active-group sizes a release may leave (one compiled executable set each); None = every size
+  # down to the floor. A release that cannot reach an allowed size keeps the workers it would
+  # have released (and their sequences: the evacuations are undone).
+  sizes: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.floor < 1:
@@ -162,6 +190,14 @@ class ReleasePolicy:
         queue_moves[q] = (queue_moves[q][0] if q in queue_moves else sw, dw)
 
     alive = list(chain)
+    snapshot = None  # the working state at the last allowed size (only with self.sizes)
+
+    def save():
+      return copy.deepcopy((alive, live, queue, free, slot_moves, queue_moves,
+                            len(self.decisions)))
+
+    if self.sizes is not None:
+      snapshot = save()
     while may_release and len(alive) > self.floor:
       h = alive[0]
       if live[h] or queue[h]:
@@ -175,6 +211,11 @@ class ReleasePolicy:
           slot_moves[q] = (*src, dw, ds)
         add_queue_moves(ev[1])
       alive.pop(0)
+      if self.sizes is not None and len(alive) in self.sizes:
+        snapshot = save()
+    if snapshot is not None:  # back to the smallest allowed size reached
+      alive, live, queue, free, slot_moves, queue_moves, nd = snapshot
+      del self.decisions[nd:]
     if self.steal:
       add_queue_moves(self._steal(alive, live, queue, free, B, st))
     queue_moves = {q: v for q, v in queue_moves.items() if v[0] != v[1]}
