@@ -135,31 +135,16 @@ class RowMovers:
     row_abs = jax.eval_shape(take, tree, idx)
     row_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in row_abs.items()}
     self.put = jax.jit(put, donate_argnums=0).lower(tree, row_abs, idx).compile()
-    self.row = [jax.device_put(np.int32(r), device) for r in range(rows)]
+    self.slot = [jax.device_put(np.int32(r), device) for r in range(rows)]
     t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
-    jax.block_until_ready(self.put(t, self.take(t, self.row[0]), self.row[0]))
-
-
-def move_seq_rows(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
-  """Move sequence slots between devices: `shards` {name: {device: buffer}} (updated in place),
-  `moves` (src device, src row, dst device, dst row) with distinct sources and destinations,
-  `movers` {device: RowMovers}. The source rows are left as they are (the caller frees them).
-  Returns the bytes transferred."""
-  if not moves:
-    return 0
-  on = lambda d: {k: b[d] for k, b in shards.items()}
-  rows = [movers[sd].take(on(sd), movers[sd].row[sr]) for sd, sr, _, _ in moves]
-  sent = jax.device_put(rows, [dd for _, _, dd, _ in moves])  # one batched transfer
-  for (_, _, dd, dr), row in zip(moves, sent):
-    for k, b in movers[dd].put(on(dd), row, movers[dd].row[dr]).items():
-      shards[k][dd] = b
-  return sum(x.nbytes for r in sent for x in r.values())
+    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
 
 
 def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
-  """Move expert slots between devices: `shards` is {name: {device: buffer}} (updated in place),
-  `moves` (src device, src slot, dst device, dst slot), `movers` {device: SlotMovers}. Returns the
-  bytes transferred."""
+  """Move slots (experts: SlotMovers; sequences: RowMovers) between devices: `shards` is
+  {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
+  slot) with distinct sources and destinations, `movers` {device: movers}. Source slots are left
+  as they are. Returns the bytes transferred."""
   if not moves:
     return 0
   on = lambda d: {k: b[d] for k, b in shards.items()}
@@ -168,7 +153,7 @@ def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
   for (_, _, dd, ds), row in zip(moves, sent):
     for k, b in movers[dd].put(on(dd), row, movers[dd].slot[ds]).items():
       shards[k][dd] = b
-  return sum(r.nbytes for r in sent)
+  return sum(x.nbytes for x in jax.tree.leaves(sent))
 
 
 def shards_by_device(arr: jax.Array) -> dict:

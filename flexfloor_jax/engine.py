@@ -693,9 +693,8 @@ class Engine:
     if jax.process_count() == 1 and self.steps.row_movers_ready():
       dev = self.devices
       shards = {k: elastic.shards_by_device(a) for k, a in tree.items()}
-      nbytes = elastic.move_seq_rows(shards, [(dev[sw], s_, dev[dw], ds)
-                                              for sw, s_, dw, ds in moves],
-                                     self.steps.row_movers())
+      nbytes = elastic.move_slots(shards, [(dev[sw], s_, dev[dw], ds)
+                                           for sw, s_, dw, ds in moves], self.steps.row_movers())
       tree = {k: elastic.assemble(shards[k], a.sharding, a.shape, a.dtype)
               for k, a in tree.items()}
     else:  # multi-controller, or the movers are still compiling: SPMD extract/insert rounds
