@@ -298,9 +298,10 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       moe_backend=config.model.moe_backend,
       interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
       record_routes=bool(r.get("record_routes", False)))
-  sizes = ([m for m in (allowed or range(floor, n)) if m < n] if flex else [])
+  # the smaller meshes, largest first: the order they compile in (_ReadyFloor relies on it)
+  sizes = sorted((m for m in (allowed or range(floor, n)) if m < n), reverse=True) if flex else []
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
-                          epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes[::-1])
+                          epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes)
   by_prompt = {p.prompt_id: p for p in prompts}
   eng.add_sequences({s.seq_id: engine_lib.SeqInput(
       tokens=np.asarray(by_prompt[s.prompt_id].tokens, np.int32),
@@ -393,7 +394,7 @@ class _ReadyFloor:
 
   def __init__(self, policy, steps, n: int, sizes):
     self._policy, self._steps, self._n = policy, steps, n
-    self._sizes = sorted(sizes, reverse=True)  # the smaller meshes, largest first
+    self._sizes = sizes  # the smaller meshes, largest first
 
   def _update(self):
     m = self._n
