@@ -45,13 +45,23 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rollout.record_routes = False
   c.rollout.output_dir = "rollout_out"
 
+  # rollout.lengths='workload': synthetic long-tailed lengths (flexfloor_jax/policy/workload.py),
+  # length = clip(median * exp(sigma z_prompt + epoch_noise u + sample_noise v), 1, max_new_tokens)
+  c.workload = ml_collections.ConfigDict()
+  c.workload.sigma = 0.36  # lognormal sigma of per-prompt mean lengths
+  c.workload.median = 64.0  # median response length (tokens)
+  c.workload.epoch_noise = 0.1  # sigma of a prompt's per-epoch noise
+  c.workload.sample_noise = 0.25  # sigma of per-sample noise
+
   c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0  # 0 = greedy
   c.sampling.top_p = 1.0
   c.sampling.top_k = 0  # 0 = off
   c.sampling.seed = 0
 
-  c.schedule = "flexfloor"  # 'static' (verl-like baseline) | 'flexfloor'
+  # 'static' (verl-like baseline) | 'balanced' (longest predicted first onto the least-loaded
+  # worker, shared queue, full width, no release: the strong baseline) | 'flexfloor'
+  c.schedule = "flexfloor"
 
   c.scheduler = ml_collections.ConfigDict()
   c.scheduler.history_path = ""  # length history file; '' = <output_dir>/history.json
@@ -62,4 +72,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # active-group sizes a release may leave, one compiled executable set each: '' = every size
   # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
   c.scheduler.release_sizes = ""
+  # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
+  # (placement, and with a step cost model each release), in exchange for less device time
+  c.scheduler.makespan_slack = 0.05
   return c

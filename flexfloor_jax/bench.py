@@ -1,7 +1,8 @@
 """Side-by-side benchmark: `python -m flexfloor_jax.bench --config=configs/bench.py`.
 
-For each epoch k = 0..epochs-1, in one process: the static baseline, FlexFloor (scheduler +
-release), (release_only) FlexFloor with the static placement, i.e. release alone, and
+For each epoch k = 0..epochs-1, in one process: the static baseline, the balanced baseline
+(longest predicted first onto the least-loaded worker, shared queue, full width, no release),
+FlexFloor (scheduler + release), (release_only) FlexFloor with the static placement, i.e. release alone, and
 (release_compaction) the static placement with release and compaction of stragglers; the same
 prompts, seeds and workload (rollout.epoch = k), every mesh size compiled before the first step
 (rollout.wait_compiles) so releases are reproducible. One length history lives in memory: every
@@ -9,7 +10,8 @@ run of epoch k is scheduled with the history of epochs 0..k-1 (a copy: a run of 
 epoch k's own lengths), and epoch k's lengths join it after the epoch.
 
 Printed: one table (per epoch and schedule the summary.json measures, then the flexfloor/static
-ratios with the paper's 1.654, the release-only ratio against its ceiling
+ratios with the paper's 1.654, static makespan / each schedule's makespan, the bound: a
+perfect-knowledge balanced placement of the actual lengths with release, in the step simulator, the release-only ratio against its ceiling
 1 / (1 - static idle_after_finish_fraction), and a roofline-weighted device-time ratio: each run
 replayed through the simulator (flexfloor_jax.sim, same policy code, same device_steps) with every
 step costed by the roofline for this model on `roofline_hardware`). Written to output_dir:
@@ -35,7 +37,8 @@ from flexfloor_jax.policy.atomic import atomic_open
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
 PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
 RELEASE_ONLY_TARGET = 0.9  # issue 5: release alone reaches >= 0.9 of its ceiling
-TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("slot_utilization", "slot util", ".3f"),
+TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "makespan", ".0f"),
+         ("slot_utilization", "slot util", ".3f"),
          ("idle_after_finish_fraction", "idle after fin", ".3f"), ("device_steps", "dev-steps", ".0f"),
          ("throughput_tokens_per_s", "tokens/s", ".1f"), ("mean_reward", "reward", ".3f"))
 
@@ -47,6 +50,7 @@ def get_bench_config(preset: str = "tiny"):
 
 def variants(config) -> list[tuple[str, dict]]:
   out = [("static", dict(schedule="static", placement="auto", compaction=False)),
+         ("balanced", dict(schedule="balanced", placement="auto", compaction=False)),
          ("flexfloor", dict(schedule="flexfloor", placement="auto",
                             compaction=bool(config.scheduler.compaction)))]
   if config.release_only:
@@ -163,7 +167,8 @@ def run_bench(config, *, progress: bool = True):
         lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
         kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
                   placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
-                  epoch=k, sizes=s.get("release_sizes"))
+                  epoch=k, sizes=s.get("release_sizes"),
+                  makespan_slack=float(c.scheduler.makespan_slack))
         args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"],
                 s["floor"])
         plain, _ = sim.replay(*args, **kw)
@@ -200,6 +205,12 @@ def run_bench(config, *, progress: bool = True):
                                  for n in names if n != "static"}
     st = ep["static"]
     ep["ratio"] = _ratios(ep["flexfloor"], st)
+    ep["ratio_balanced"] = _ratios(ep["balanced"], st)
+    ep["flexfloor_over_balanced"] = _ratios(ep["flexfloor"], ep["balanced"])
+    ep["bound"] = _bound(seqs, runs["flexfloor"][0][1], st,
+                         runs["flexfloor"][0][0].rollout.steps_per_dispatch)
+    ep["makespan_speedup"] = {n: st["makespan_steps"] / ep[n]["makespan_steps"]
+                              for n in names + ["bound"] if ep.get(n, {}).get("makespan_steps")}
     if "release_only" in ep:
       ep["ratio_release_only"] = _ratios(ep["release_only"], st)
       ceil = 1.0 / (1.0 - st["idle_after_finish_fraction"])
@@ -220,6 +231,27 @@ def run_bench(config, *, progress: bool = True):
          "step_cache": {"hits": pool.hits, "misses": pool.misses},
          "bench_seconds": time.perf_counter() - t_all}
   return jsonable(doc, nonfinite_to_none=True), timelines, records
+
+
+def _bound(seqs, ff_result, static: dict, steps_per_dispatch: int) -> dict:
+  """The bound a workload sets: the balanced placement of the *actual* lengths (perfect
+  knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
+  the same lengths), at flexfloor's floor and release sizes."""
+  from flexfloor_jax.policy import planner, scheduler, stepsim
+  s = ff_result.summary
+  lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
+  by_id = {x.seq_id: x for x in seqs}
+  n, b = s["num_workers"], s["slots_per_worker"]
+  actual = [float(lengths[x.seq_id]) for x in seqs]
+  queues = scheduler.balanced_placement(seqs, actual, list(range(n)), b)
+  pol = planner.ReleasePolicy(floor=s["floor"], chain=list(range(n)), shared_queue=True,
+                              predicted={q: float(v) for q, v in lengths.items()},
+                              sizes=tuple(s["release_sizes"]) if s.get("release_sizes") else None)
+  m = stepsim.simulate(list(by_id.values()), lengths, queues, pol, n, b, steps_per_dispatch)
+  return dict(tokens_per_device_step=m["tokens_per_device_step"],
+              makespan_steps=m["makespan_steps"], device_steps=m["device_steps"],
+              ratio_tokens_per_device_step=m["tokens_per_device_step"]
+              / static["tokens_per_device_step"])
 
 
 def dataclasses_asdict(x):
@@ -261,17 +293,26 @@ def format_table(doc: dict) -> str:
 
   for ep in doc["epochs"]:
     k = ep["epoch"]
-    for name in ("static", "flexfloor", "release_only", "release_compaction"):
+    for name in ("static", "balanced", "flexfloor", "release_only", "release_compaction"):
       if name in ep:
         m = ep[name]
         lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
                              + [format(m["roofline_tokens_per_device_second"], ".4g") +
                                 " tok/dev-s", dash, dash]))
-    r = ep["ratio"]
-    tp = f"{r['tokens_per_device_step']:.3f} (paper {PAPER_TOKENS_PER_DEVICE_TIME})"
-    lines.append(fmt_row([k, "flexfloor/static", tp] + [
-        cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
-        + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
+    bd = ep["bound"]
+    lines.append(fmt_row([k, "bound (actual lengths)", format(bd["tokens_per_device_step"], ".3f"),
+                          format(bd["makespan_steps"], ".0f")] + [dash] * (len(TABLE) - 2)
+                         + [dash, dash, dash]))
+    sp = ep["makespan_speedup"]
+    for name, r in (("balanced", ep["ratio_balanced"]), ("flexfloor", ep["ratio"])):
+      tp = f"{r['tokens_per_device_step']:.3f}" + (
+          f" (paper {PAPER_TOKENS_PER_DEVICE_TIME})" if name == "flexfloor" else "")
+      lines.append(fmt_row([k, f"{name}/static", tp, f"x{sp[name]:.2f} faster"] + [
+          cell(r, key, ".3f") for key, _, _ in TABLE[2:]]
+          + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
+    lines.append(fmt_row([k, "bound/static", format(bd["ratio_tokens_per_device_step"], ".3f"),
+                          f"x{sp['bound']:.2f} faster"] + [dash] * (len(TABLE) - 2)
+                         + [dash, dash, dash]))
     for name in ("release_only", "release_compaction"):  # placement unchanged: vs the ceiling
       if f"ratio_{name}" in ep:
         r = ep[f"ratio_{name}"]
@@ -284,14 +325,24 @@ def format_table(doc: dict) -> str:
 
 
 def summary_lines(doc: dict) -> list[str]:
-  eps = [e for e in doc["epochs"] if e["epoch"] >= 2] or doc["epochs"]
+  eps = [e for e in doc["epochs"] if e["epoch"] >= 1] or doc["epochs"]
   out = []
+  ks = [e["epoch"] for e in eps]
+  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
   r = [e["ratio"]["tokens_per_device_step"] for e in eps]
+  rb = [e["bound"]["ratio_tokens_per_device_step"] for e in eps]
+  ms = [e["makespan_speedup"]["flexfloor"] for e in eps]
+  mb = [e["makespan_speedup"]["bound"] for e in eps]
+  fb = [e["flexfloor_over_balanced"]["tokens_per_device_step"] for e in eps]
+  mfb = [e["flexfloor"]["makespan_steps"] / e["balanced"]["makespan_steps"] for e in eps]
+  slack = doc["config"]["scheduler"].get("makespan_slack", 0.05)
   t = [e["ratio"]["throughput_tokens_per_s"] for e in eps]
-  out.append(f"flexfloor/static tokens_per_device_step, epochs {[e['epoch'] for e in eps]}: "
-             f"{', '.join(f'{x:.3f}' for x in r)} (target >= 1.65, paper "
-             f"{PAPER_TOKENS_PER_DEVICE_TIME}); throughput ratio {', '.join(f'{x:.3f}' for x in t)}"
-             f" (target >= 1.0, paper {PAPER_THROUGHPUT})")
+  out.append(f"epochs {ks}: flexfloor/static tokens_per_device_step {fmt(r)} (target >= 1.65, "
+             f"paper {PAPER_TOKENS_PER_DEVICE_TIME}; bound {fmt(rb)})")
+  out.append(f"epochs {ks}: static/flexfloor makespan (steps) {fmt(ms)} (target >= 1.5; bound "
+             f"{fmt(mb)}); wall throughput ratio {fmt(t)} (paper {PAPER_THROUGHPUT})")
+  out.append(f"epochs {ks}: flexfloor/balanced tokens_per_device_step {fmt(fb)} (target > 1); "
+             f"flexfloor/balanced makespan {fmt(mfb)} (target <= {1 + slack:.2f})")
   if all("release_only_of_ceiling" in e for e in doc["epochs"]):
     q = [e["release_only_of_ceiling"] for e in doc["epochs"]]
     out.append(f"release-only / ceiling per epoch: {', '.join(f'{x:.3f}' for x in q)} "

@@ -51,8 +51,15 @@ def _check(cond: bool, msg: str):
 
 def validate_config(config) -> None:
   r, s = config.rollout, config.sampling
-  _check(config.schedule in ("static", "flexfloor"),
-         f"schedule must be 'static' or 'flexfloor', got {config.schedule!r}")
+  _check(config.schedule in plan.SCHEDULES,
+         f"schedule must be one of {plan.SCHEDULES}, got {config.schedule!r}")
+  for k, v in (config.get("workload") or {}).items():
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+           and (k != "median" or v > 0),
+           f"workload.{k} must be a number >= 0 (median > 0), got {v!r}")
+  slack = config.scheduler.get("makespan_slack", 0.05)
+  _check(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack <= 1,
+         f"scheduler.makespan_slack must be a fraction in [0, 1], got {slack!r}")
   _check(config.scheduler.get("placement", "auto") in ("auto", "static"),
          f"scheduler.placement must be 'auto' or 'static', got "
          f"{config.scheduler.get('placement')!r}")
@@ -137,9 +144,15 @@ def resolve_lengths_mode(config) -> str:
 
 
 def workload_spec(config, num_prompts: int) -> workload.WorkloadSpec:
+  w = config.get("workload") or {}
   return workload.WorkloadSpec(num_prompts=num_prompts,
                                samples_per_prompt=config.rollout.samples_per_prompt,
-                               seed=config.sampling.seed, cap=config.rollout.max_new_tokens)
+                               seed=config.sampling.seed, cap=config.rollout.max_new_tokens,
+                               sigma=float(w.get("sigma", workload.DEFAULT_SIGMA)),
+                               median=float(w.get("median", workload.DEFAULT_MEDIAN)),
+                               epoch_noise=float(w.get("epoch_noise", workload.DEFAULT_EPOCH_NOISE)),
+                               sample_noise=float(w.get("sample_noise",
+                                                        workload.DEFAULT_SAMPLE_NOISE)))
 
 
 def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:
@@ -278,7 +291,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
       placement=config.scheduler.get("placement", "auto"),
       compaction=bool(config.scheduler.compaction),
-      epoch=r.epoch, sizes=allowed)
+      epoch=r.epoch, sizes=allowed,
+      makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)))
   predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
@@ -351,7 +365,13 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
            release_sizes=list(allowed) if allowed else None,
            release_latency_s=eng.release_latencies,
            expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
-           num_sequences=len(seqs), num_prompts=len(prompts))
+           num_sequences=len(seqs), num_prompts=len(prompts),
+           makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
+           cost_model=getattr(policy.cost, "name", None) if policy.enabled else None,
+           cost_table=({str(k): v for k, v in policy.cost.table.items()}
+                       if getattr(policy.cost, "table", None) else None),
+           length_buckets=length_buckets(queues, pred_by_seq),
+           step_seconds_measured={str(k): float(np.median(v)) for k, v in by_size.items()})
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
@@ -370,6 +390,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
                       **({} if o.routes is None else {"routes": o.routes})})
   m = jsonable(m)
   history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
+  history.add_step_seconds({k: float(np.median(v)) for k, v in by_size.items()})
   tl = record.timeline
   if write_outputs and jax.process_index() == 0:  # multi-process: process 0 writes outputs
     out = r.output_dir
@@ -381,6 +402,18 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
                              title=f"{config.schedule}: {n} workers, epoch {r.epoch}")
     history.save(history_path)
   return RolloutResult(summary=m, responses=responses, timeline=tl, record=record)
+
+
+def length_buckets(queues: dict[int, list[int]], predicted: dict[int, float]) -> list[dict]:
+  """Per worker, the predicted lengths it was given (its queue is longest first: sequences of
+  similar length run together there, so its slots empty together)."""
+  out = []
+  for w in sorted(queues):
+    p = [float(predicted[q]) for q in queues[w]]
+    out.append(dict(worker=int(w), seqs=len(p), predicted_min=min(p) if p else None,
+                    predicted_max=max(p) if p else None,
+                    predicted_total=float(sum(p))))
+  return out
 
 
 def _progress(total: int, enabled: bool):

@@ -199,6 +199,26 @@ class RooflineCost:
     return self.hw.step_overhead_s + expert_moves * self.model.expert_bytes / self.hw.link_bw
 
 
+class RooflineStepCost:
+  """The policy's StepCost interface (policy/costs.py) on the roofline: one decode step of n active
+  workers holding `live` sequences between them, experts spread as evenly as the placement
+  spreads them (the slowest worker, with ceil(E/n), gates the step), each sequence reading
+  `ctx_per_seq` cached tokens. What the time-aware floor decides on where nothing is measured."""
+
+  name = "roofline"
+
+  def __init__(self, model: Model, hw: Hardware, ctx_per_seq: float):
+    self.roof, self.ctx = RooflineCost(model, hw), float(ctx_per_seq)
+    self.name = f"roofline:{hw.name}"
+
+  def decode_seconds(self, n_active: int, live_seqs: int) -> float:
+    n, E = int(n_active), self.roof.model.experts
+    held = np.full(n, E // n, float)
+    held[:E % n] += 1
+    tok = np.full(n, max(float(live_seqs), 1.0) / n)
+    return self.roof.step_seconds(held, tok, tok * self.ctx)
+
+
 @dataclasses.dataclass
 class LinearCost:
   """The `cpu` hardware preset: fitted to measured step times (`fit_cpu`).
@@ -393,15 +413,19 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
            num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
            model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0, probe_after_release: bool = False,
-           num_experts: Optional[int] = None, sizes=None):
+           num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
+           policy_cost=None):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
   (slots: ceil(E / floor) for flexfloor, ceil(E / N) for static, as the runner preallocates).
-  `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all)."""
+  `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all).
+  `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = the
+  step times kept in `history`, as the runner does."""
   queues, policy, _ = plan_rollout(seqs, history, schedule, num_workers, slots_per_worker, floor,
                                    steps_per_dispatch=steps_per_dispatch, placement=placement,
                                    compaction=compaction, epoch=epoch,
-                                   sizes=tuple(sizes) if sizes else None)
+                                   sizes=tuple(sizes) if sizes else None,
+                                   makespan_slack=makespan_slack, cost=policy_cost)
   E = model.experts if model is not None else (num_experts or 8)
   slots = math.ceil(E / (floor if schedule == "flexfloor" else num_workers))
   pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
@@ -437,6 +461,8 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               lengths={str(k): int(v) for k, v in lengths.items()},
               history={p: {str(e): v for e, v in d.items()} for p, d in history.data.items()},
               release_sizes=summary.get("release_sizes"),
+              makespan_slack=summary.get("makespan_slack", 0.05),
+              step_seconds={str(k): v for k, v in history.step_seconds.items()},
               timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary})
 
 
@@ -456,13 +482,13 @@ def load_run_record(path: str) -> dict:
 def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
   seqs = [Seq(**s) for s in rec["seqs"]]
   lengths = {int(k): v for k, v in rec["lengths"].items()}
-  hist = scheduler.LengthHistory(rec["history"])
+  hist = scheduler.LengthHistory(rec["history"], rec.get("step_seconds"))
   return replay(seqs, lengths, hist, rec["schedule"], rec["num_workers"], rec["slots_per_worker"],
                 rec["floor"], cost=cost, model=model,
                 steps_per_dispatch=rec["steps_per_dispatch"],
                 placement=rec.get("placement", "auto"), compaction=rec.get("compaction", True),
                 epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
-                sizes=rec.get("release_sizes"))
+                sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05))
 
 
 def fit_records(recs: list[dict], name: str = "") -> LinearCost:
@@ -519,7 +545,7 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
       occ += rel
       idle += rel - w["local_finish_s"]
   n = sum(len(g["metrics"]["workers"]) for g in groups)
-  return dict(devices=n, generated_tokens=tokens, device_steps=ds,
+  return dict(devices=n,  # devices of groups that got work (the others go before the first step) generated_tokens=tokens, device_steps=ds,
               occupied_device_seconds=occ,
               tokens_per_occupied_device_second=tokens / occ if occ else 0.0,
               idle_after_finish_fraction_seconds=idle / occ if occ else 0.0,
@@ -529,9 +555,10 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
 
 def _group_job(job):
   """One EP group's rollout (a top-level function: it runs in worker processes)."""
-  sched, gs, hist, ep, B, floor, model, hw, spd, epoch = job
+  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx = job
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
-                  steps_per_dispatch=spd, epoch=epoch)
+                  steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
+                  policy_cost=RooflineStepCost(model, hw, ctx))
   rel = m.pop("releases", [])
   m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
   # for the RL step model: when each response finished, its tokens, when workers were released
@@ -560,18 +587,49 @@ def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
               step_s=gen + lp["with"] + update, scored_during_generation=lp["scored_early"])
 
 
+def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int, ep: int,
+                slack: float = 0.05) -> list[list[int]]:
+  """Which sequences each EP group serves (indices into `seqs`).
+  static: verl's contiguous data-parallel chunks. balanced: longest predicted first onto the group
+  whose list-scheduled finish (over its ep x slots lanes) grows least. flexfloor: packed from the
+  last group backwards, longest first, up to the median balanced group's predicted finish (plus
+  `slack`), so the first groups get the short work, finish early and are released whole."""
+  if schedule == "static":
+    return [list(map(int, g)) for g in np.array_split(np.arange(len(seqs)), groups)]
+  # a group admits one sequence per worker per prefill step and every lane waits for it: each
+  # sequence costs its group's lanes lanes/ep = slots-per-worker lane-steps on top of its length
+  pred = scheduler.predict(history, seqs, quantile=0.9) + lanes / ep
+  idx = [type(s)(**{**dataclasses.asdict(s), "seq_id": i}) for i, s in enumerate(seqs)]
+  bal = scheduler.balanced_placement(idx, pred, list(range(groups)), lanes)
+  if schedule == "balanced":
+    return [bal[g] for g in range(groups)]
+  # pack to the typical balanced group's finish, not the longest one's: filled to the longest,
+  # every group would sit on the critical path and mispredictions would stretch the makespan
+  fin = [planner.list_schedule_finish([], [pred[i] for i in bal[g]], lanes) for g in range(groups)]
+  cap = max(float(np.max(pred)), float(np.median(fin))) * (1.0 + slack)
+  order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
+  packed = scheduler._pack(order, np.asarray(pred, float), list(range(groups)), lanes, cap)
+  return [packed[g] for g in range(groups)]
+
+
+SCHEDULES = plan.SCHEDULES
+
+
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      slots_per_worker: int = workload.DEFAULT_SLOTS_PER_WORKER,
                      seqs_per_device: int = 8, samples_per_prompt: int = 8,
                      length_scale: float = 8.0, prompt_len: int = 256, epochs: int = 3,
                      steps_per_dispatch: int = 0, seed: int = 0,
-                     processes: Optional[int] = None) -> dict:
-  """Static vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch `epochs - 1`,
-  the length history of the epochs before it (workload lengths) driving the scheduler.
-  The workload is policy.workload's, scaled: seqs_per_device sequences per device (the default
-  rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens).
+                     processes: Optional[int] = None, release_sizes: str = "",
+                     makespan_slack: float = 0.05) -> dict:
+  """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
+  `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
+  scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
+  (the default rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens).
   steps_per_dispatch 0 = the default rollout's 8 x length_scale: the same host-check granularity
   relative to response length (finishes and refills stop a dispatch at the exact step anyway).
+  Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its release
+  policy deciding on the roofline (RooflineStepCost: the time-aware floor) and `release_sizes`.
   processes: worker processes for the groups (default: all cores; 1 = in this process)."""
   steps_per_dispatch = steps_per_dispatch or max(
       1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * length_scale)))
@@ -583,65 +641,73 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                                seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
                                cap=int(round(workload.DEFAULT_CAP * length_scale)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
+  sizes = planner.release_sizes(release_sizes, ep, floor)
   last = epochs - 1
   seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
   hist = scheduler.LengthHistory()
   for e in range(last):
     prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
     hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
-  groups = np.array_split(np.arange(len(seqs)), devices // ep)  # verl: contiguous dp chunks
-  jobs = [(sched, [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(g)], hist,
-           ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last)
-          for sched in ("static", "flexfloor") for g in groups]
+  ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
+  jobs = []
+  for sched in SCHEDULES:
+    for g in group_split(seqs, sched, hist, devices // ep, ep * slots_per_worker, ep,
+                         makespan_slack):
+      if not g:  # a group given no work is released before the first step
+        continue
+      jobs.append((sched, [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(g)],
+                   hist, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
+                   makespan_slack, ctx))
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
-  if procs > 1 and len(groups) > 1:
+  if procs > 1 and devices // ep > 1:
     import concurrent.futures
     import multiprocessing
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
-    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=ctx) as pool:
+    mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp) as pool:
       results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))
   else:
     results = [_group_job(j) for j in jobs]
-  out = {}
-  for sched in ("static", "flexfloor"):
-    res = [dict(metrics=m) for (sc, *_), m in zip(jobs, results) if sc == sched]
-    out[sched] = _cluster_metrics(res, hold_to_end=sched == "static")
   groups_of = lambda sched: [m for (sc, *_), m in zip(jobs, results) if sc == sched]
+  out = {sched: _cluster_metrics([dict(metrics=m) for m in groups_of(sched)],
+                                 hold_to_end=sched != "flexfloor") for sched in SCHEDULES}
   rl = {"static": rl_step_seconds(groups_of("static"), model, hw, floor, released=False),
         "flexfloor": rl_step_seconds(groups_of("flexfloor"), model, hw, floor, released=False),
         "flexfloor_released_logprobs": rl_step_seconds(groups_of("flexfloor"), model, hw, floor,
                                                        released=True)}
-  s, f = out["static"], out["flexfloor"]
-  ratio = {k: f[k] / s[k] for k in ("tokens_per_occupied_device_second", "throughput_tokens_per_s",
-                                    "occupied_device_seconds", "generation_wall_s")
-           if s[k]}
+  keys = ("tokens_per_occupied_device_second", "throughput_tokens_per_s",
+          "occupied_device_seconds", "generation_wall_s")
+  s = out["static"]
+  ratio = {k: out["flexfloor"][k] / s[k] for k in keys if s[k]}
+  ratio_balanced = {k: out["balanced"][k] / s[k] for k in keys if s[k]}
   return dict(model=model.name, hardware=hw.name, devices=devices, ep=ep, groups=devices // ep,
               floor=floor, epoch=last, workload=dataclasses.asdict(spec), prompt_len=prompt_len,
               slots_per_worker=slots_per_worker, steps_per_dispatch=steps_per_dispatch,
-              static=s, flexfloor=f, ratio=ratio, rl_step=rl)
+              release_sizes=list(sizes) if sizes else None, makespan_slack=makespan_slack,
+              cost_model=RooflineStepCost(model, hw, ctx).name,
+              static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
+              ratio_balanced=ratio_balanced, rl_step=rl)
 
 
 # ----------------------------------------------------------------------------- output
 
 
 def format_cluster_table(rows: list[dict]) -> str:
-  """One row per device count; seconds-based metrics of summary.json for both schedules."""
+  """One row per device count; seconds-based metrics of summary.json for the three schedules
+  (wall = the rollout's makespan, every group's last response)."""
   cols = [("devices", 7, "d"), ("ep x dp", 8, "s"), ("floor", 5, "d"),
-          ("tok/occ-dev-s static", 20, ".1f"), ("flexfloor", 10, ".1f"), ("ratio", 6, ".3f"),
-          ("occupied_dev_s static", 21, ".1f"), ("flexfloor", 10, ".1f"),
-          ("idle_frac_s static", 18, ".3f"), ("flexfloor", 10, ".3f"),
-          ("wall_s static", 13, ".2f"), ("flexfloor", 10, ".2f"),
-          ("tok/s static", 12, ".0f"), ("flexfloor", 10, ".0f"), ("ratio", 6, ".3f")]
+          ("tok/occ-dev-s static", 20, ".1f"), ("balanced", 9, ".1f"), ("flexfloor", 10, ".1f"),
+          ("ff/st", 6, ".3f"), ("ff/bal", 6, ".3f"),
+          ("wall_s static", 13, ".2f"), ("balanced", 9, ".2f"), ("flexfloor", 10, ".2f"),
+          ("tok/s ff/st", 11, ".3f"), ("bal/st", 6, ".3f"), ("idle_s ff", 9, ".3f")]
   lines = [" ".join(f"{name:>{w}}" for name, w, _ in cols)]
   for r in rows:
-    s, f = r["static"], r["flexfloor"]
-    vals = [r["devices"], f"{r['ep']}x{r['groups']}", r["floor"],
-            s["tokens_per_occupied_device_second"], f["tokens_per_occupied_device_second"],
-            r["ratio"]["tokens_per_occupied_device_second"], s["occupied_device_seconds"],
-            f["occupied_device_seconds"], s["idle_after_finish_fraction_seconds"],
-            f["idle_after_finish_fraction_seconds"], s["generation_wall_s"],
-            f["generation_wall_s"], s["throughput_tokens_per_s"], f["throughput_tokens_per_s"],
-            r["ratio"]["throughput_tokens_per_s"]]
+    s, b, f = r["static"], r["balanced"], r["flexfloor"]
+    k = "tokens_per_occupied_device_second"
+    vals = [r["devices"], f"{r['ep']}x{r['groups']}", r["floor"], s[k], b[k], f[k],
+            r["ratio"][k], f[k] / b[k] if b[k] else 0.0, s["generation_wall_s"],
+            b["generation_wall_s"], f["generation_wall_s"], r["ratio"]["throughput_tokens_per_s"],
+            r["ratio_balanced"]["throughput_tokens_per_s"],
+            f["idle_after_finish_fraction_seconds"]]
     lines.append(" ".join(f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(cols, vals)))
   return "\n".join(lines)
 
@@ -731,7 +797,9 @@ def main(argv=None):
       rows.append(simulate_cluster(model, hw, d, ep=F.ep, slots_per_worker=F.slots_per_worker,
                                    length_scale=F.length_scale, prompt_len=F.prompt_len,
                                    epochs=F.epochs, seed=F.seed,
-                                   steps_per_dispatch=F.steps_per_dispatch))
+                                   steps_per_dispatch=F.steps_per_dispatch,
+                                   release_sizes=F.release_sizes,
+                                   makespan_slack=F.makespan_slack))
     except (ValueError, planner.FloorError) as e:
       print(f"error: {d} devices: {e}", file=sys.stderr)
       sys.exit(2)
@@ -789,6 +857,10 @@ def _define_flags():
   flags.DEFINE_integer("steps_per_dispatch", 0, "decode steps between host checks; 0 = 8 x "
                        "length_scale (the default rollout's granularity)")
   flags.DEFINE_string("output_dir", "sim_out", "where sim.json and sim.png go")
+  flags.DEFINE_string("release_sizes", "", "active-group sizes a release may leave inside a "
+                      "group: '' = every size | 'pow2' | a comma list (scheduler.release_sizes)")
+  flags.DEFINE_float("makespan_slack", 0.05, "flexfloor's makespan may exceed balanced's "
+                     "predicted one by this fraction (scheduler.makespan_slack)")
   flags.DEFINE_string("calibrate", "", "run records (bench_out/runs/*.json, comma-separated) of "
                       "one workload to fit the cpu preset on")
   flags.DEFINE_string("predict", "", "run records (comma-separated) to predict with the fitted "

@@ -76,15 +76,19 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
   static = run(c, params, tmp_path, "static")
   c.schedule = "flexfloor"
   flex = run(c, params, tmp_path, "flex")
+  c.schedule = "balanced"
+  bal = run(c, params, tmp_path, "balanced")
   key = lambda r: (r["prompt_id"], r["sample"])
   a = {key(r): r for r in static.responses}
-  b = {key(r): r for r in flex.responses}
-  assert a.keys() == b.keys()
-  moved = sum(a[k]["worker"] != b[k]["worker"] for k in a)
-  assert moved > 0, "the placements should differ, or the test proves nothing"
-  for k in a:
-    assert a[k]["tokens"] == b[k]["tokens"], k
-    assert a[k]["logprobs"] == b[k]["logprobs"], k
+  for other in (flex, bal):
+    b = {key(r): r for r in other.responses}
+    assert a.keys() == b.keys()
+    moved = sum(a[k]["worker"] != b[k]["worker"] for k in a)
+    assert moved > 0, "the placements should differ, or the test proves nothing"
+    for k in a:
+      assert a[k]["tokens"] == b[k]["tokens"], k
+      assert a[k]["logprobs"] == b[k]["logprobs"], k
+  assert sizes_over_time(bal) == [8]  # full width, never releases
   if lengths == "model":
     # A random model seldom emits EOS, so most responses run to the cap together: the tokens
     # are what this case checks.
@@ -250,3 +254,24 @@ def test_pallas_backend_matches_xla(params, tmp_path):
   for a, b in zip(out["xla"], out["pallas"]):
     assert a["tokens"] == b["tokens"]
     assert np.abs(np.subtract(a["logprobs"], b["logprobs"])).max() <= 1e-4
+
+
+def test_measured_step_times_drive_the_next_run(params, tmp_path):
+  """The engine's per-size decode step times go into the length history; the next run's release
+  policy decides on them (the time-aware floor's measured source)."""
+  from flexfloor_jax.policy import scheduler
+  c = get_config()
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  hist = scheduler.LengthHistory()
+  first = run(c, params, tmp_path, "first", history=hist)
+  assert first.summary["cost_model"] is None  # nothing measured before the first run
+  measured = {int(k): v for k, v in first.summary["step_seconds_measured"].items()}
+  assert len(measured) >= 2 and hist.step_seconds == measured
+  path = tmp_path / "history.json"
+  hist.save(str(path))
+  back = scheduler.LengthHistory.load(str(path))
+  assert back.step_seconds == measured
+  second = run(c, params, tmp_path, "second", history=back)
+  assert second.summary["cost_model"] == "measured"
+  assert {int(k): v for k, v in second.summary["cost_table"].items()} == measured
+  assert second.summary["releases"] and sizes_over_time(second)[-1] == 1  # released on it

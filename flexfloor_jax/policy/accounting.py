@@ -149,6 +149,9 @@ def metrics(tl: Timeline) -> dict:
   idle_s = sum(w['release_s'] - w['local_finish_s'] for w in wt)
   wall = ((tl.t_end if tl.t_end is not None else tl.step_end_time(tl.num_steps)) - tl.t_start)
   slots = tl.slots_per_worker
+  # critical path: first step to the end of the step in which the last response finished
+  last = max((f['step'] for f in tl.finishes), default=-1)
+  makespan_s = tl.step_end_time(last + 1) - tl.t_start if last >= 0 else 0.0
   return dict(
       device_steps=device_steps,
       device_steps_prefill=ds_pre,
@@ -156,6 +159,7 @@ def metrics(tl: Timeline) -> dict:
       prefill_steps=sum(r['num_steps'] for r in pre),
       decode_steps=sum(r['num_steps'] for r in dec),
       makespan_steps=tl.num_steps,
+      makespan_s=makespan_s,
       generated_tokens=tokens,
       num_sequences=len(tl.finishes),
       tokens_per_device_step=tokens / device_steps if device_steps else 0.0,

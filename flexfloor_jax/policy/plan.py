@@ -3,42 +3,65 @@ rollouts) and the simulator (replays) both call, so what is simulated is what ru
 
 from __future__ import annotations
 
-from flexfloor_jax.policy import planner, scheduler
+from flexfloor_jax.policy import costs, planner, scheduler
 from flexfloor_jax.policy.controller import Seq
 
+SCHEDULES = ("static", "balanced", "flexfloor")
 PLACEMENTS = ("auto", "static")
 
 
 def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: str,
                  num_workers: int, slots_per_worker: int, floor: int, *,
                  steps_per_dispatch: int = 8, placement: str = "auto", compaction: bool = True,
-                 epoch: int = 0, sizes: tuple[int, ...] | None = None):
+                 epoch: int = 0, sizes: tuple[int, ...] | None = None,
+                 makespan_slack: float = 0.05, cost=None):
   """(queues, release policy, predicted length by seq id).
 
   schedule='static': the verl-like baseline (contiguous chunks, no release).
-  schedule='flexfloor', placement='auto': length-aware placement on the release chain, release,
-    work stealing, and compaction when `compaction`.
+  schedule='balanced': the strong baseline: longest predicted first onto the least-loaded worker,
+    a shared queue (every free slot takes the longest waiting seq), full width, no release.
+  schedule='flexfloor', placement='auto': length-aware placement on the release chain whose
+    predicted makespan is within `makespan_slack` of balanced's, release, work stealing, and
+    compaction when `compaction`.
   schedule='flexfloor', placement='static': the baseline's placement unchanged; release alone
     (compaction=False: its ceiling is 1 / (1 - static idle_after_finish_fraction)) or release plus
     compaction of stragglers (compaction=True), never work stealing.
-  `sizes`: the active-group sizes a release may leave (planner.release_sizes); None = all."""
-  if schedule not in ("static", "flexfloor"):
-    raise ValueError(f"schedule must be 'static' or 'flexfloor', got {schedule!r}")
+  `sizes`: the active-group sizes a release may leave (planner.release_sizes); None = all.
+  `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
+  floor). None: the step times measured by earlier runs and kept in `history`, if it holds them
+  for >= 2 group sizes, else device-steps alone."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if placement not in PLACEMENTS:
     raise ValueError(f"scheduler.placement must be one of {PLACEMENTS}, got {placement!r}")
   workers = list(range(num_workers))
   flex = schedule == "flexfloor"
+  if cost is None:
+    cost = costs.from_history(history.step_seconds)
+  timed = dict(cost=cost, makespan_slack=makespan_slack)
   if flex and placement == "auto":
-    queues, pred, _ = scheduler.flexfloor_schedule(
+    # the shared queue at run time, in the candidates' simulation as in the rollout
+    queues, pred, info = scheduler.flexfloor_schedule(
         seqs, history, workers, slots_per_worker, floor=floor,
-        steps_per_dispatch=steps_per_dispatch, seed=epoch)
+        steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
+        policy_kw=dict(shared_queue=True, sizes=sizes))
     policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
-                                   compaction=bool(compaction), predicted=pred, sizes=sizes)
-  else:
-    predicted = scheduler.predict(history, seqs)
-    pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
-    queues = scheduler.static_placement(seqs, workers)
-    policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
-                                   chain=list(workers), compaction=flex and bool(compaction),
-                                   steal=False, predicted=pred, sizes=sizes)
+                                   compaction=bool(compaction), predicted=pred, sizes=sizes,
+                                   shared_queue=True,
+                                   predicted_makespan_steps=info["balanced_predicted_makespan"],
+                                   **timed)
+    return queues, policy, pred
+  predicted = scheduler.predict(history, seqs)
+  pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
+  if schedule == "balanced":
+    queues = scheduler.balanced_placement(seqs, scheduler.predict(history, seqs, quantile=0.9),
+                                          workers, slots_per_worker)
+    policy = planner.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
+                                   compaction=False, swap=False, steal=False, shared_queue=True,
+                                   predicted=pred)
+    return queues, policy, pred
+  queues = scheduler.static_placement(seqs, workers)
+  policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
+                                 chain=list(workers), compaction=flex and bool(compaction),
+                                 steal=False, predicted=pred, sizes=sizes, **timed)
   return queues, policy, pred

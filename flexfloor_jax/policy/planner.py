@@ -15,6 +15,15 @@ kv_bytes_per_token to what its migrate() reports and steps_per_kv_byte from
 
 Work stealing. Queued (not yet prefilled) seqs carry no KV, so moving one off the worker predicted to
 finish last onto a spare slot is free; it is done when it brings the predicted completion forward.
+Shared queue (`shared_queue`, the balanced schedule): every spare slot takes the longest-predicted
+seq still waiting anywhere, whatever it does to the predicted finish (list scheduling, LPT order).
+
+Time-aware floor (`cost`): device-steps say every release pays, seconds may not (an SPMD step is as
+slow as the worker holding the most experts, so 8 -> 7 workers can make every step slower and cost
+more device-seconds than it saves). With a step cost model a release from n to m workers happens
+only when m x t(m) < n x t(n) (occupied device-seconds per step, hence per token, drop) and the
+makespan it adds, predicted remaining steps x (t(m) - t(n)), fits in what is left of the slack
+budget (`makespan_slack` x the predicted makespan in seconds at full width).
 
 A ReleasePolicy holds per-rollout state (the chain, its decisions): use a fresh one per rollout.
 """
@@ -124,10 +133,18 @@ class ReleasePolicy:
   # down to the floor. A release that cannot reach an allowed size keeps the workers it would
   # have released (and their sequences: the evacuations are undone).
   sizes: tuple[int, ...] | None = None
+  shared_queue: bool = False  # spare slots pull the longest waiting seq (see the module doc)
+  # Step cost model (a StepCost: decode_seconds(n_active, live_seqs)); None = device-steps only.
+  cost: object = None
+  makespan_slack: float = 0.05  # fraction of the predicted makespan a release may add (with cost)
+  predicted_makespan_steps: float | None = None  # at full width; sets the slack budget (with cost)
+  slack_used_s: float = 0.0  # seconds of makespan the releases so far are predicted to add
 
   def __post_init__(self):
     if self.floor < 1:
       raise ValueError(f'floor must be >= 1, got {self.floor}')
+    if self.makespan_slack < 0:
+      raise ValueError(f'makespan_slack must be >= 0, got {self.makespan_slack}')
 
   # -- estimates ------------------------------------------------------------------------------
   def _pred(self, seq: Seq) -> float:
@@ -153,8 +170,14 @@ class ReleasePolicy:
   def stop_masks(self, st: State):
     n = len(st.active)
     no = np.zeros(n, bool)
-    if not self.enabled or n <= self.floor:
+    if not self.enabled:
       return no, no
+    if self.shared_queue and any(st.queues[w] for w in st.active):
+      share = np.ones(n, bool)  # any freed slot may take waiting work from another worker
+    else:
+      share = no
+    if n <= self.floor:
+      return share, no
     chain = self._chain(st)
     head = chain[0]
     if self.swap or self.compaction:
@@ -167,7 +190,7 @@ class ReleasePolicy:
       spare = sum(max(0, len(st.free_slots(w)) - len(st.queues[w])) for w in chain[1:])
       if need <= spare + 1:  # one more finish anywhere could make room for the head's seqs
         fin = np.ones(n, bool)
-    return fin, idle
+    return fin | share, idle
 
   def plan(self, st: State) -> Plan | None:
     if not self.enabled:
@@ -175,7 +198,7 @@ class ReleasePolicy:
     chain = self._chain(st)
     B = st.slots_per_worker
     may_release = len(st.active) > self.floor and self._may_release(st, chain)
-    may_steal = self.steal and self._may_steal(st, chain)
+    may_steal = (self.steal or self.shared_queue) and self._may_steal(st, chain)
     if not (may_release or may_steal):
       return None
     # working copy: per worker, live [(slot, seq, remaining)] and queue [seq]
@@ -190,14 +213,16 @@ class ReleasePolicy:
         queue_moves[q] = (queue_moves[q][0] if q in queue_moves else sw, dw)
 
     alive = list(chain)
-    snapshot = None  # the working state at the last allowed size (only with self.sizes)
+    timed = self.cost is not None
+    keep = self.sizes is not None or timed
+    snaps = {}  # active size -> working state there (sizes a release may stop at)
 
     def save():
       return copy.deepcopy((alive, live, queue, free, slot_moves, queue_moves,
                             len(self.decisions)))
 
-    if self.sizes is not None:
-      snapshot = save()
+    if keep:
+      snaps[len(alive)] = save()
     while may_release and len(alive) > self.floor:
       h = alive[0]
       if live[h] or queue[h]:
@@ -211,19 +236,80 @@ class ReleasePolicy:
           slot_moves[q] = (*src, dw, ds)
         add_queue_moves(ev[1])
       alive.pop(0)
-      if self.sizes is not None and len(alive) in self.sizes:
-        snapshot = save()
-    if snapshot is not None:  # back to the smallest allowed size reached
-      alive, live, queue, free, slot_moves, queue_moves, nd = snapshot
+      if keep and (self.sizes is None or len(alive) in self.sizes):
+        snaps[len(alive)] = save()
+    if snaps:
+      n = len(chain)
+      if timed:  # the size with the fewest device-seconds per step among those that pay
+        k = sum(len(st.live(w)) for w in chain)
+        ok = [m for m in snaps if m == n or self._release_pays(n, m, snaps[m][1], snaps[m][2],
+                                                               st, B)]
+        pick = min(ok, key=lambda m: (m * self.cost.decode_seconds(m, k), m))
+      else:  # the smallest allowed size reached
+        pick = min(snaps)
+      alive, live, queue, free, slot_moves, queue_moves, nd = snaps[pick]
       del self.decisions[nd:]
-    if self.steal:
+    if self.shared_queue:
+      add_queue_moves(self._share(alive, queue, free, st))
+    elif self.steal:
       add_queue_moves(self._steal(alive, live, queue, free, B, st))
     queue_moves = {q: v for q, v in queue_moves.items() if v[0] != v[1]}
     if len(alive) == len(chain) and not slot_moves and not queue_moves:
       return None
+    if self.cost is not None and len(alive) < len(chain):
+      self.slack_used_s += self._added_makespan(len(chain), len(alive), live, queue, st, B)
     return Plan(moves=list(slot_moves.values()),
                 queue_moves=[(sw, dw, q) for q, (sw, dw) in queue_moves.items()],
                 new_active=[w for w in st.active if w in set(alive)])
+
+  # -- time-aware floor -----------------------------------------------------------------------
+  def _remaining_steps(self, live, queue, st, B) -> float:
+    return max((self._finish(w, live, queue, st, B) for w in live), default=0.0)
+
+  def _live_count(self, live, queue) -> int:
+    return sum(len(v) for v in live.values())
+
+  def _added_makespan(self, n, m, live, queue, st, B) -> float:
+    R = self._remaining_steps(live, queue, st, B)
+    k = self._live_count(live, queue)
+    return max(0.0, R * (self.cost.decode_seconds(m, k) - self.cost.decode_seconds(n, k)))
+
+  def _release_pays(self, n, m, live, queue, st, B) -> bool:
+    """With a cost model: going from n to m active workers lowers device-seconds per step and the
+    makespan it adds fits in the slack left. Without one every release pays (device-steps)."""
+    if self.cost is None:
+      return True
+    k = self._live_count(live, queue)
+    if m * self.cost.decode_seconds(m, k) >= n * self.cost.decode_seconds(n, k):
+      return False
+    if self.predicted_makespan_steps is None:
+      return True
+    budget = self.makespan_slack * self.predicted_makespan_steps * self.cost.decode_seconds(
+        len(self.chain), k)
+    return self.slack_used_s + self._added_makespan(n, m, live, queue, st, B) <= budget + 1e-12
+
+  def _share(self, alive, queue, free, st):
+    """Shared queue: while a worker has a slot its own queue will not fill and another has seqs
+    waiting beyond its free slots, the longest waiting seq moves to the worker with the most spare
+    slots (ties: latest in the chain)."""
+    moves = []
+    while True:
+      spare = {w: len(free[w]) - len(queue[w]) for w in alive}
+      recips = [w for w in alive if spare[w] > 0]
+      donors = [w for w in alive if spare[w] < 0]
+      if not recips or not donors:
+        return moves
+      best = None
+      for d in donors:
+        for q in queue[d][len(free[d]):]:
+          p = self._pred(st.seqs[q])
+          if best is None or p > best[0]:
+            best = (p, d, q)
+      _, d, q = best
+      r = max(recips, key=lambda w: (spare[w], alive.index(w)))
+      queue[d].remove(q)
+      queue[r].append(q)
+      moves.append((d, r, q))
 
   def _may_steal(self, st: State, chain: list[int]) -> bool:
     """Some worker has a slot its own queue will not fill while another has seqs waiting."""

@@ -1,4 +1,4 @@
-"""Length history, prediction, and the two placements (static verl-like, FlexFloor).
+"""Length history, prediction, and the three placements (static verl-like, balanced, FlexFloor).
 
 A placement is {worker: [seq ids in queue (FIFO) order]}; the controller prefills queue heads into
 free slots, so a worker's queue order is its start order.
@@ -25,6 +25,22 @@ def static_placement(seqs: list[Seq], workers: list[int]) -> dict[int, list[int]
   return {int(w): [seqs[i].seq_id for i in c] for w, c in zip(workers, chunks)}
 
 
+def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
+                       slots_per_worker: int) -> dict[int, list[int]]:
+  """The strong baseline: longest predicted first, each onto the worker whose list-scheduled finish
+  (LPT over its B slots) grows least; samples of one prompt may go to different workers. Queues
+  are longest first, so with a shared queue at run time every free slot takes the longest work
+  still waiting."""
+  pred = np.asarray(predicted, float)
+  lanes = {int(w): [0.0] * slots_per_worker for w in workers}
+  queues: dict[int, list[int]] = {int(w): [] for w in workers}
+  for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
+    w = min(lanes, key=lambda v: (lanes[v][0] + pred[i], v))
+    heapq.heapreplace(lanes[w], lanes[w][0] + pred[i])
+    queues[w].append(seqs[i].seq_id)
+  return queues
+
+
 # ---------------------------------------------------------------------------------------------
 # History
 
@@ -35,8 +51,15 @@ class HistoryError(ValueError):
 class LengthHistory:
   """prompt id -> epoch -> response lengths of its samples."""
 
-  def __init__(self, data: dict[str, dict[int, list[int]]] | None = None):
+  def __init__(self, data: dict[str, dict[int, list[int]]] | None = None,
+               step_seconds: dict[int, float] | None = None):
     self.data = {p: {int(e): list(map(int, v)) for e, v in d.items()} for p, d in (data or {}).items()}
+    # median decode-step seconds by active-group size, measured by the engine (policy.costs)
+    self.step_seconds = {int(n): float(t) for n, t in (step_seconds or {}).items()}
+
+  def add_step_seconds(self, table: dict[int, float]) -> None:
+    """A run's measured step times: each size measured now replaces the older figure."""
+    self.step_seconds.update({int(n): float(t) for n, t in table.items()})
 
   def __len__(self):
     return len(self.data)
@@ -64,7 +87,8 @@ class LengthHistory:
   def save(self, path: str) -> None:
     """Atomic: a temp file in the same directory, fsync, os.replace; a crash leaves the old file."""
     doc = {'format': HISTORY_FORMAT, 'version': HISTORY_VERSION,
-           'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in self.data.items()}}
+           'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in self.data.items()},
+           'step_seconds': {str(n): t for n, t in sorted(self.step_seconds.items())}}
     atomic_write(path, json.dumps(doc), durable=True)
 
   @classmethod
@@ -89,7 +113,14 @@ class LengthHistory:
               for p, d in doc['prompts'].items()}
     except (KeyError, AttributeError, TypeError, ValueError) as e:
       raise HistoryError(f'length history {path} has a malformed "prompts" table ({e})') from e
-    return cls(data)
+    try:
+      steps = {int(n): float(t) for n, t in (doc.get('step_seconds') or {}).items()}
+    except (AttributeError, TypeError, ValueError) as e:
+      raise HistoryError(f'length history {path} has a malformed "step_seconds" table ({e})') from e
+    if any(n < 1 or not np.isfinite(t) or t <= 0 for n, t in steps.items()):
+      raise HistoryError(f'length history {path}: "step_seconds" needs sizes >= 1 and finite '
+                         f'seconds > 0, got {steps}')
+    return cls(data, steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,19 +230,22 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
                         slots_per_worker: int, *, floor: int = 1, steps_per_dispatch: int = 8,
                         num_candidates: int = 12, policy_kw: dict | None = None,
                         scenarios: list[dict[int, int]] | None = None,
-                        makespan_slack: float = 1.0, late_tol: float | None = None,
+                        makespan_slack: float = 0.05, late_tol: float | None = None,
                         return_info: bool = False):
   """Long predicted sequences on the chain's tail (survives longest), short ones on the head.
 
-  Objective: fewest simulated device-steps subject to a simulated completion time no later than
-  the static baseline's (no release), in every length scenario (`scenarios`, e.g. from
-  `sample_scenarios`; default: the point predictions). Candidates are simulated with stepsim under
-  the run-time release policy, which sees only the predictions:
+  Objective: the makespan first, then the device time. A candidate is on time when its simulated
+  completion is within `makespan_slack` (a fraction) of the balanced schedule's (full width, no
+  release, shared queue: `balanced_placement`), in every length scenario (`scenarios`, e.g. from
+  `sample_scenarios`; default: the point predictions); among those on time, fewest simulated
+  device-steps. Candidates are simulated with stepsim under the run-time release policy, which
+  sees only the predictions:
     - `_pack` (first-fit decreasing from the tail) for per-worker finish caps from the tightest
       possible (longest prediction, or total work spread evenly) up to the static makespan;
     - head-light: the first h chain workers get B short seqs and no queue, so they refill nothing
       while many workers are active (every prefill step costs all active workers) and go early;
-    - sorted equal chunks, and the static placement itself (so a feasible candidate exists).
+    - sorted equal chunks, the static placement, and the balanced placement itself (with release:
+      a release never pushes the predicted completion later, so it is on time).
   Queues are longest-predicted first. Mispredictions are left to compaction and work stealing.
 
   Lateness: with `late_tol` None, a candidate is late if it is later than the budget in any
@@ -245,11 +279,17 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
 
   static_q = static_placement(seqs, sorted(workers_chain))
   ms_static = sim(static_q, enabled=False)['makespan_steps']  # the baseline never releases
+  bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B)
+  ms_bal = np.zeros(len(worlds))
+  for j, L in enumerate(worlds):  # the balanced schedule: full width, shared queue
+    pol = planner.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
+                                predicted=plens, shared_queue=True, compaction=False, swap=False)
+    ms_bal[j] = stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch)['makespan_steps']
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))  # ties keep groups together
   lo = max(float(pred.max()), float(pred.sum()) / (N * B))
-  ms_budget = ms_static * makespan_slack
+  ms_budget = ms_bal * (1.0 + makespan_slack)
   cands = []
-  for c in np.unique(np.linspace(lo, max(lo, ms_static.mean()), num_candidates).round()):
+  for c in np.unique(np.linspace(lo, max(lo, ms_budget.mean()), num_candidates).round()):
     cands.append((float(c), _pack(order, pred.astype(float), list(workers_chain), B, float(c))))
   # head-light: the first h workers get B seqs each and no queue (no refill prefill steps while
   # many workers are active); the rest is LPT-balanced over the tail
@@ -271,6 +311,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   cands.append(('sorted', {w: [int(i) for i in c[::-1]] for w, c in zip(workers_chain, chunks)}))
   index = {q: i for i, q in enumerate(ids)}
   cands.append(('static', {w: [index[q] for q in v] for w, v in static_q.items()}))
+  cands.append(('balanced', {w: [index[q] for q in v] for w, v in bal_q.items()}))
   best = None
   for c, qi in cands:
     queues = {w: [ids[i] for i in v] for w, v in qi.items()}
@@ -286,7 +327,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
       best = (key, queues, c, m)
   info = dict(cap=best[2], predicted_device_steps=best[3]['device_steps'],
               predicted_makespan=float(best[3]['makespan_steps'].mean()),
-              static_predicted_makespan=float(ms_static.mean()))
+              static_predicted_makespan=float(ms_static.mean()),
+              balanced_predicted_makespan=float(ms_bal.mean()))
   return (best[1], info) if return_info else best[1]
 
 
@@ -294,7 +336,8 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
                        slots_per_worker: int, *, floor: int = 1, steps_per_dispatch: int = 8,
                        num_scenarios: int = 8, seed: int = 0, prior: float | None = None,
                        policy_kw: dict | None = None, late_tol: float | None = 0.15,
-                       shallow_late_tol: float | None = 0.05, quantile: float = 0.9):
+                       shallow_late_tol: float | None = 0.05, quantile: float = 0.9,
+                       makespan_slack: float = 0.05):
   """predict -> scenarios from history -> placement, in one call (what the runner needs).
   Returns (queues, predicted lengths by seq id, info). `seed` keys the scenario draws (use the
   epoch) so a schedule is reproducible. Lateness tolerance (see `flexfloor_placement`): `late_tol`
@@ -308,5 +351,6 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
   tol = late_tol if depth >= 2 else shallow_late_tol
   queues, info = flexfloor_placement(seqs, pred, workers_chain, slots_per_worker, floor=floor,
                                      steps_per_dispatch=steps_per_dispatch, scenarios=sc,
-                                     policy_kw=policy_kw, late_tol=tol, return_info=True)
+                                     policy_kw=policy_kw, late_tol=tol, return_info=True,
+                                     makespan_slack=makespan_slack)
   return queues, {s.seq_id: float(p) for s, p in zip(seqs, pred)}, info

@@ -1,0 +1,53 @@
+"""Step cost models for the time-aware floor: one interface, two sources. numpy only.
+
+A StepCost answers `decode_seconds(n_active, live_seqs)`: the seconds of one SPMD decode step on
+an active group of n workers holding `live_seqs` live sequences between them. The release policy
+(planner.ReleasePolicy, `cost=`) uses it to release only when device-seconds per step drop and the
+makespan stays within its slack. Sources:
+  - MeasuredStepCost: the engine's own median decode-step seconds per active-group size, measured
+    during a rollout and kept in the length-history file, so the next run decides on them;
+  - a hardware preset of the simulator (sim.RooflineStepCost: roofline + per-step and
+    per-collective latency) where nothing is measured yet.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import numpy as np
+
+
+class StepCost(Protocol):
+  name: str
+
+  def decode_seconds(self, n_active: int, live_seqs: int) -> float:
+    ...
+
+
+class MeasuredStepCost:
+  """Median decode-step seconds by active-group size; sizes between measured ones are linearly
+  interpolated, sizes outside take the nearest measured one (a release to an unmeasured size is
+  judged by its neighbour, never refused for lack of data)."""
+
+  name = "measured"
+
+  def __init__(self, table: Mapping[int, float]):
+    pts = sorted((int(n), float(t)) for n, t in table.items())
+    if len(pts) < 2:
+      raise ValueError(f"a measured step-cost table needs >= 2 group sizes, got {dict(pts)}")
+    if any(n < 1 or not np.isfinite(t) or t <= 0 for n, t in pts):
+      raise ValueError(f"step-cost table needs sizes >= 1 and finite seconds > 0, got {dict(pts)}")
+    self.table = dict(pts)
+    self._n = np.array([n for n, _ in pts], float)
+    self._t = np.array([t for _, t in pts], float)
+
+  def decode_seconds(self, n_active: int, live_seqs: int = 0) -> float:
+    del live_seqs  # measured per size over the rollout's own batches
+    return float(np.interp(float(n_active), self._n, self._t))
+
+
+def from_history(table: Mapping[int, float] | None) -> MeasuredStepCost | None:
+  """The measured cost model if the history holds one for >= 2 sizes, else None."""
+  if not table or len(table) < 2:
+    return None
+  return MeasuredStepCost(table)

@@ -1,0 +1,152 @@
+"""Makespan-first scheduling and the time-aware floor (numpy only): the balanced baseline, the
+shared queue, the step cost models and the release decisions they drive."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from flexfloor_jax.policy import accounting, costs, plan, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy.controller import Seq
+
+
+def seqs_of(lengths, prompt="p"):
+  return [Seq(i, f"{prompt}{i}", 0, 4, int(n), 64) for i, n in enumerate(lengths)]
+
+
+def test_balanced_placement_is_lpt_by_hand():
+  # 1 slot per worker: 5 -> w0 (5), 4 -> w1 (4), 3 -> w1 (7 < 8), 3 -> w0 (8 < 10)
+  s = seqs_of([3, 5, 4, 3])
+  q = scheduler.balanced_placement(s, [3, 5, 4, 3], [0, 1], 1)
+  assert q == {0: [1, 3], 1: [2, 0]}
+
+
+def test_shared_queue_takes_waiting_work_and_conserves():
+  """Every seq queued on worker 0: with the shared queue the idle workers pull from it (longest
+  waiting first) and every seq finishes exactly once; without it worker 0 does all the work."""
+  lengths = [9, 2, 7, 3, 8, 1, 6, 4]
+  s = seqs_of(lengths)
+  queues = {0: [x.seq_id for x in s], 1: [], 2: [], 3: []}
+  pred = {x.seq_id: float(x.target_len) for x in s}
+  alone = stepsim.simulate(s, None, queues, planner.ReleasePolicy(enabled=False), 4, 1, 8,
+                           return_record=True)
+  shared = planner.ReleasePolicy(floor=4, chain=[0, 1, 2, 3], predicted=pred, shared_queue=True,
+                                 compaction=False, swap=False, steal=False)
+  m, rec = stepsim.simulate(s, None, queues, shared, 4, 1, 8, return_record=True)
+  assert sorted(rec.finishes) == sorted(pred)
+  assert {f.num_tokens for f in rec.finishes.values()} == set(lengths)
+  assert m["makespan_steps"] < alone[0]["makespan_steps"] / 2
+  assert len({f.worker for f in rec.finishes.values()}) == 4
+  assert m["device_steps"] == 4 * m["makespan_steps"]  # full width: nothing released
+
+
+def _release_sizes(cost, slack=0.05, lengths=(40, 3, 3, 3, 3, 3, 3, 3), with_steps=False):
+  """Sizes the group passes through; worker 0 (the chain's head) has nothing to do."""
+  s = seqs_of(lengths)
+  queues = {w: [w] for w in range(1, 8)}
+  queues[0] = []
+  queues[7] = [7, 0]
+  pred = {x.seq_id: float(x.target_len) for x in s}
+  pol = planner.ReleasePolicy(floor=1, chain=list(range(8)), predicted=pred, cost=cost,
+                              makespan_slack=slack, predicted_makespan_steps=45.0)
+  m, rec = stepsim.simulate(s, None, queues, pol, 8, 2, 4, return_record=True)
+  sizes, steps = [8], []
+  for r in rec.timeline.releases:
+    if not r["final"]:
+      sizes.append(sizes[-1] - len(r["workers"]))
+      steps.append(r["step"])
+  return (sizes, steps) if with_steps else sizes
+
+
+def test_time_aware_floor_refuses_a_release_that_costs_device_seconds():
+  # 8 -> 7 makes each step twice as slow: 7 x 2.0 > 8 x 1.0 device-seconds per step; no smaller
+  # size pays either (n x t(n) >= 8 everywhere)
+  slow = costs.MeasuredStepCost({8: 1.0, 7: 2.0, 6: 2.0, 5: 2.0, 4: 2.0, 3: 3.0, 2: 4.0, 1: 8.0})
+  assert _release_sizes(slow) == [8]
+  # device-steps alone (no cost model) release all the way down
+  assert _release_sizes(None)[-1] == 1
+
+
+def test_time_aware_floor_releases_when_it_pays():
+  flat = costs.MeasuredStepCost({8: 1.0, 1: 1.0})  # every size as fast: fewer devices pay
+  assert _release_sizes(flat)[-1] == 1
+  # 4 workers: 4 x 1.5 < 8 x 1.0 pays in device-seconds but adds 0.5 s to each remaining step.
+  # A 5% slack of the predicted 45-step makespan (2.25 s) admits it only once <= 4.5 steps of
+  # the 40-token straggler remain; a generous slack takes it as soon as the short seqs are done.
+  half = costs.MeasuredStepCost({8: 1.0, 5: 2.0, 4: 1.5, 3: 3.0, 1: 8.0})
+  sizes, steps = _release_sizes(half, slack=0.05, with_steps=True)
+  assert sizes == [8, 4] and steps[0] >= 40 - 5
+  sizes, steps = _release_sizes(half, slack=1.0, with_steps=True)
+  assert sizes == [8, 4] and steps[0] <= 8
+
+
+def test_measured_cost_interpolates_and_rejects_bad_tables():
+  c = costs.MeasuredStepCost({8: 2.0, 4: 1.0})
+  assert c.decode_seconds(6) == pytest.approx(1.5)
+  assert c.decode_seconds(1) == 1.0 and c.decode_seconds(16) == 2.0
+  assert costs.from_history({8: 1.0}) is None and costs.from_history({}) is None
+  for bad in ({8: 1.0}, {8: 1.0, 0: 1.0}, {8: 1.0, 4: float("nan")}, {8: 1.0, 4: -1.0}):
+    with pytest.raises(ValueError):
+      costs.MeasuredStepCost(bad)
+
+
+def test_history_keeps_step_seconds(tmp_path):
+  h = scheduler.LengthHistory()
+  h.add("p", 0, [3, 4])
+  h.add_step_seconds({8: 0.02, 4: 0.01})
+  h.add_step_seconds({4: 0.012})  # newer measurement of a size replaces the older
+  path = str(tmp_path / "h.json")
+  h.save(path)
+  back = scheduler.LengthHistory.load(path)
+  assert back.step_seconds == {8: 0.02, 4: 0.012} and back.data == h.data
+  _, pol, _ = plan.plan_rollout(seqs_of([5, 6, 7, 8]), back, "flexfloor", 2, 2, 1)
+  assert isinstance(pol.cost, costs.MeasuredStepCost) and pol.cost.table == {4: 0.012, 8: 0.02}
+  doc = json.load(open(path))
+  doc["step_seconds"] = {"8": -1}
+  (tmp_path / "bad.json").write_text(json.dumps(doc))
+  with pytest.raises(scheduler.HistoryError, match="step_seconds"):
+    scheduler.LengthHistory.load(str(tmp_path / "bad.json"))
+
+
+def test_makespan_seconds_by_hand():
+  tl = accounting.Timeline(workers=[0, 1], slots_per_worker=1, t_start=10.0)
+  tl.add_step("prefill", 0, 1, [0, 1], [1, 1], 10.0, 11.0)
+  tl.add_step("decode", 1, 4, [0, 1], [1, 1], 11.0, 15.0)  # 1 s per step, interpolated
+  tl.add_finish(0, 0, 0, 3, "target", 2)  # in step 2: ends at 13.0
+  tl.add_finish(1, 1, 0, 4, "target", 3)  # in step 3: ends at 14.0
+  tl.t_end = 15.5
+  tl.add_release([0, 1], 5, 15.5, final=True)
+  m = accounting.metrics(tl)
+  assert m["makespan_s"] == pytest.approx(4.0) and m["makespan_steps"] == 5
+
+
+@pytest.mark.parametrize("epoch", [1, 2, 3])
+def test_flexfloor_within_slack_of_balanced_on_default_workload(epoch):
+  """Makespan first: on the default workload FlexFloor's simulated makespan stays within the
+  slack (plus the prediction error the scenarios allow) of the balanced schedule's, and it
+  uses fewer device-steps than balanced."""
+  spec, N, B = workload.WorkloadSpec(), 8, 4
+  hist = scheduler.LengthHistory()
+  for e in range(epoch):
+    prev = workload.make_seqs(spec, e)
+    hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
+  seqs = workload.make_seqs(spec, epoch)
+  out = {}
+  for sched in plan.SCHEDULES:
+    q, pol, _ = plan.plan_rollout(seqs, hist, sched, N, B, 1, epoch=epoch)
+    out[sched] = stepsim.simulate(seqs, None, q, pol, N, B, 8)
+  assert out["flexfloor"]["makespan_steps"] <= 1.05 * out["balanced"]["makespan_steps"]
+  assert out["balanced"]["makespan_steps"] < out["static"]["makespan_steps"]
+  assert out["flexfloor"]["device_steps"] < out["balanced"]["device_steps"]
+
+
+def test_roofline_makes_eight_to_seven_a_loss():
+  """The cost model's key term: with 8 experts, 7 workers means one holds 2 experts and gates the
+  step, so 7 x t(7) > 8 x t(8) on the roofline; 4 workers (2 experts each) pay."""
+  code = ("from flexfloor_jax import sim; c = sim.RooflineStepCost(sim.MODELS['mixtral-8x7b'], "
+          "sim.HARDWARE['tpu-v5p'], 512); t = {n: c.decode_seconds(n, 32) for n in (8, 7, 4)}; "
+          "print(7 * t[7] > 8 * t[8], 4 * t[4] < 8 * t[8], 'jax' in __import__('sys').modules)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+  assert out.stdout.split() == ["True", "True", "False"]
