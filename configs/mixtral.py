@@ -75,4 +75,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
   # (placement, and with a step cost model each release), in exchange for less device time
   c.scheduler.makespan_slack = 0.05
+  # what a release must pay in: 'measured' (the engine's decode-step seconds per group size, kept
+  # in the history: the time-aware floor) | 'steps' (device-steps alone) | 'auto' (measured on
+  # TPU/GPU, steps on emulated CPU devices, whose step times depend on the host's load)
+  c.scheduler.step_cost = "auto"
   return c

@@ -168,7 +168,8 @@ def run_bench(config, *, progress: bool = True):
         kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
                   placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
                   epoch=k, sizes=s.get("release_sizes"),
-                  makespan_slack=float(c.scheduler.makespan_slack))
+                  makespan_slack=float(c.scheduler.makespan_slack),
+                  step_cost=s.get("step_cost", "measured"))
         args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"],
                 s["floor"])
         plain, _ = sim.replay(*args, **kw)

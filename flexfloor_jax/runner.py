@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import accounting, plan, planner, scheduler, workload
+from flexfloor_jax.policy import accounting, costs, plan, planner, scheduler, workload
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.jsonl import iter_jsonl
@@ -60,6 +60,9 @@ def validate_config(config) -> None:
   slack = config.scheduler.get("makespan_slack", 0.05)
   _check(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack <= 1,
          f"scheduler.makespan_slack must be a fraction in [0, 1], got {slack!r}")
+  _check(config.scheduler.get("step_cost", "auto") in costs.STEP_COSTS,
+         f"scheduler.step_cost must be one of {costs.STEP_COSTS}, got "
+         f"{config.scheduler.get('step_cost')!r}")
   _check(config.scheduler.get("placement", "auto") in ("auto", "static"),
          f"scheduler.placement must be 'auto' or 'static', got "
          f"{config.scheduler.get('placement')!r}")
@@ -292,7 +295,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       placement=config.scheduler.get("placement", "auto"),
       compaction=bool(config.scheduler.compaction),
       epoch=r.epoch, sizes=allowed,
-      makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)))
+      makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
+      step_cost=costs.resolve(config.scheduler.get("step_cost", "auto"), devices[0].platform))
   predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
@@ -367,6 +371,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
            expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
            num_sequences=len(seqs), num_prompts=len(prompts),
            makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
+           step_cost=costs.resolve(config.scheduler.get("step_cost", "auto"),
+                                   devices[0].platform),
            cost_model=getattr(policy.cost, "name", None) if policy.enabled else None,
            cost_table=({str(k): v for k, v in policy.cost.table.items()}
                        if getattr(policy.cost, "table", None) else None),

@@ -73,6 +73,8 @@ class Hardware:
   step_overhead_s: float = 20e-6  # launch + host sync per step (assumption, not a published figure)
   collective_latency_s: float = 5e-6  # per all_to_all (assumption, not a published figure)
   source: str = ""
+  # --hardware=measured:FILE: measured decode-step times per worker (policy/measured_hw.py)
+  step_table: object = dataclasses.field(default=None, compare=False, repr=False)
 
 
 HARDWARE = {
@@ -186,6 +188,8 @@ class RooflineCost:
     flops_w = (2.0 * tokens * (m.nonexpert_params - m.vocab * m.hidden) + 2.0 * routed * dff
                + 4.0 * m.layers * m.heads * m.head_dim * attn_ctx)
     t_w = np.maximum(bytes_w / hw.hbm_bw, flops_w / hw.peak_flops)
+    if hw.step_table is not None and attn_ctx is ctx:  # decode (attn_ctx defaulted): measured
+      t_w = hw.step_table.worker_seconds(m, experts_held, tokens, ctx)
     t = hw.step_overhead_s + float(t_w.max())
     if n > 1:
       a2a = 2.0 * m.layers * tokens * m.top_k * m.hidden * m.dtype_bytes * (n - 1) / n
@@ -414,18 +418,20 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
            model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0, probe_after_release: bool = False,
            num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
-           policy_cost=None):
+           policy_cost=None, step_cost: str = "measured"):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
   (slots: ceil(E / floor) for flexfloor, ceil(E / N) for static, as the runner preallocates).
   `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all).
-  `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = the
-  step times kept in `history`, as the runner does."""
+  `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = as
+  the runner decides with `step_cost` (summary.json's): 'measured' = the step times kept in
+  `history`, 'steps' = device-steps alone."""
   queues, policy, _ = plan_rollout(seqs, history, schedule, num_workers, slots_per_worker, floor,
                                    steps_per_dispatch=steps_per_dispatch, placement=placement,
                                    compaction=compaction, epoch=epoch,
                                    sizes=tuple(sizes) if sizes else None,
-                                   makespan_slack=makespan_slack, cost=policy_cost)
+                                   makespan_slack=makespan_slack, cost=policy_cost,
+                                   step_cost=step_cost)
   E = model.experts if model is not None else (num_experts or 8)
   slots = math.ceil(E / (floor if schedule == "flexfloor" else num_workers))
   pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
@@ -462,6 +468,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               history={p: {str(e): v for e, v in d.items()} for p, d in history.data.items()},
               release_sizes=summary.get("release_sizes"),
               makespan_slack=summary.get("makespan_slack", 0.05),
+              step_cost=summary.get("step_cost", "measured"),
               step_seconds={str(k): v for k, v in history.step_seconds.items()},
               timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary})
 
@@ -488,7 +495,8 @@ def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
                 steps_per_dispatch=rec["steps_per_dispatch"],
                 placement=rec.get("placement", "auto"), compaction=rec.get("compaction", True),
                 epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
-                sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05))
+                sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05),
+                step_cost=rec.get("step_cost", "measured"))
 
 
 def fit_records(recs: list[dict], name: str = "") -> LinearCost:
@@ -545,7 +553,8 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
       occ += rel
       idle += rel - w["local_finish_s"]
   n = sum(len(g["metrics"]["workers"]) for g in groups)
-  return dict(devices=n,  # devices of groups that got work (the others go before the first step) generated_tokens=tokens, device_steps=ds,
+  # devices: those of groups that got work (the others go before the first step)
+  return dict(devices=n, generated_tokens=tokens, device_steps=ds,
               occupied_device_seconds=occ,
               tokens_per_occupied_device_second=tokens / occ if occ else 0.0,
               idle_after_finish_fraction_seconds=idle / occ if occ else 0.0,
@@ -588,31 +597,52 @@ def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
 
 
 def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int, ep: int,
-                slack: float = 0.05) -> list[list[int]]:
+                slack: float = 0.05, *, num_scenarios: int = 8, num_candidates: int = 16,
+                seed: int = 0) -> list[list[int]]:
   """Which sequences each EP group serves (indices into `seqs`).
   static: verl's contiguous data-parallel chunks. balanced: longest predicted first onto the group
   whose list-scheduled finish (over its ep x slots lanes) grows least. flexfloor: packed from the
-  last group backwards, longest first, up to the median balanced group's predicted finish (plus
-  `slack`), so the first groups get the short work, finish early and are released whole."""
+  last group backwards, longest first, each group's lanes up to a cap, so the first groups get
+  the short work (or none), finish early and are released whole. The cap is chosen like the
+  in-group placement's (scheduler.flexfloor_placement): over length scenarios drawn from the
+  history, the largest packing whose mean makespan stays within `slack` of the balanced split's
+  and that holds the fewest group-seconds (a group is held until its last response)."""
   if schedule == "static":
     return [list(map(int, g)) for g in np.array_split(np.arange(len(seqs)), groups)]
   # a group admits one sequence per worker per prefill step and every lane waits for it: each
   # sequence costs its group's lanes lanes/ep = slots-per-worker lane-steps on top of its length
-  pred = scheduler.predict(history, seqs, quantile=0.9) + lanes / ep
-  idx = [type(s)(**{**dataclasses.asdict(s), "seq_id": i}) for i, s in enumerate(seqs)]
+  prefill = lanes / ep
+  pred = scheduler.predict(history, seqs, quantile=0.9) + prefill
+  idx = [dataclasses.replace(s, seq_id=i) for i, s in enumerate(seqs)]
   bal = scheduler.balanced_placement(idx, pred, list(range(groups)), lanes)
   if schedule == "balanced":
     return [bal[g] for g in range(groups)]
-  # pack to the typical balanced group's finish, not the longest one's: filled to the longest,
-  # every group would sit on the critical path and mispredictions would stretch the makespan
-  fin = [planner.list_schedule_finish([], [pred[i] for i in bal[g]], lanes) for g in range(groups)]
-  cap = max(float(np.max(pred)), float(np.median(fin))) * (1.0 + slack)
+  worlds = ([np.array([d[i] for i in range(len(seqs))], float) + prefill
+             for d in scheduler.sample_scenarios(history, idx, pred, num_scenarios, seed)]
+            if len(history) else [pred])
+
+  def finishes(split):
+    """[scenario, group] list-scheduled finish (lane-steps) of a split; queues in split order."""
+    return np.array([[planner.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
+                      for q in split] for L in worlds])
+
+  bal_split = [bal[g] for g in range(groups)]
+  budget = finishes(bal_split).max(axis=1).mean() * (1.0 + slack)
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
-  packed = scheduler._pack(order, np.asarray(pred, float), list(range(groups)), lanes, cap)
-  return [packed[g] for g in range(groups)]
+  lo = float(pred.sum()) / (groups * lanes)
+  hi = max(planner.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
+  best = (float(finishes(bal_split).sum(axis=1).mean()), bal_split)  # balanced: always on time
+  for cap in np.linspace(lo, max(lo, hi) * (1.0 + slack), num_candidates):
+    packed = scheduler._pack(order, pred, list(range(groups)), lanes, float(cap))
+    split = [packed[g] for g in range(groups)]
+    fin = finishes(split)
+    if fin.max(axis=1).mean() <= budget and fin.sum(axis=1).mean() < best[0]:
+      best = (float(fin.sum(axis=1).mean()), split)
+  return best[1]
 
 
 SCHEDULES = plan.SCHEDULES
+RUNS = SCHEDULES + ("oracle_balanced", "oracle_flexfloor")
 
 
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
@@ -649,14 +679,23 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
     prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
     hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
   ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
-  jobs = []
-  for sched in SCHEDULES:
-    for g in group_split(seqs, sched, hist, devices // ep, ep * slots_per_worker, ep,
-                         makespan_slack):
+  # the schedules with perfect knowledge (every sequence its own prompt, whose history is its
+  # actual length): what the policy and the cost model allow on these lengths. oracle_balanced's
+  # makespan bounds the throughput, oracle_flexfloor's device time the tokens per device-second.
+  oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
+  known = scheduler.LengthHistory()
+  known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
+  jobs, labels = [], []
+  for label in RUNS:
+    sched = label.removeprefix("oracle_")
+    ss, hh = (oracle, known) if label.startswith("oracle_") else (seqs, hist)
+    for g in group_split(ss, sched, hh, devices // ep, ep * slots_per_worker, ep,
+                         makespan_slack, seed=last):
       if not g:  # a group given no work is released before the first step
         continue
-      jobs.append((sched, [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(g)],
-                   hist, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
+      labels.append(label)
+      jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
+                   hh, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
                    makespan_slack, ctx))
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
@@ -667,9 +706,9 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))
   else:
     results = [_group_job(j) for j in jobs]
-  groups_of = lambda sched: [m for (sc, *_), m in zip(jobs, results) if sc == sched]
-  out = {sched: _cluster_metrics([dict(metrics=m) for m in groups_of(sched)],
-                                 hold_to_end=sched != "flexfloor") for sched in SCHEDULES}
+  groups_of = lambda label: [m for lb, m in zip(labels, results) if lb == label]
+  out = {label: _cluster_metrics([dict(metrics=m) for m in groups_of(label)],
+                                 hold_to_end=not label.endswith("flexfloor")) for label in RUNS}
   rl = {"static": rl_step_seconds(groups_of("static"), model, hw, floor, released=False),
         "flexfloor": rl_step_seconds(groups_of("flexfloor"), model, hw, floor, released=False),
         "flexfloor_released_logprobs": rl_step_seconds(groups_of("flexfloor"), model, hw, floor,
@@ -679,13 +718,17 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   s = out["static"]
   ratio = {k: out["flexfloor"][k] / s[k] for k in keys if s[k]}
   ratio_balanced = {k: out["balanced"][k] / s[k] for k in keys if s[k]}
+  ratio_oracle = {label: {k: out[label][k] / s[k] for k in keys if s[k]}
+                  for label in RUNS if label.startswith("oracle_")}
   return dict(model=model.name, hardware=hw.name, devices=devices, ep=ep, groups=devices // ep,
               floor=floor, epoch=last, workload=dataclasses.asdict(spec), prompt_len=prompt_len,
               slots_per_worker=slots_per_worker, steps_per_dispatch=steps_per_dispatch,
               release_sizes=list(sizes) if sizes else None, makespan_slack=makespan_slack,
               cost_model=RooflineStepCost(model, hw, ctx).name,
               static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
-              ratio_balanced=ratio_balanced, rl_step=rl)
+              ratio_balanced=ratio_balanced, oracle_balanced=out["oracle_balanced"],
+              oracle_flexfloor=out["oracle_flexfloor"], ratio_oracle=ratio_oracle,
+              rl_step=rl)
 
 
 # ----------------------------------------------------------------------------- output
@@ -698,7 +741,8 @@ def format_cluster_table(rows: list[dict]) -> str:
           ("tok/occ-dev-s static", 20, ".1f"), ("balanced", 9, ".1f"), ("flexfloor", 10, ".1f"),
           ("ff/st", 6, ".3f"), ("ff/bal", 6, ".3f"),
           ("wall_s static", 13, ".2f"), ("balanced", 9, ".2f"), ("flexfloor", 10, ".2f"),
-          ("tok/s ff/st", 11, ".3f"), ("bal/st", 6, ".3f"), ("idle_s ff", 9, ".3f")]
+          ("tok/s ff/st", 11, ".3f"), ("bal/st", 6, ".3f"), ("idle_s ff", 9, ".3f"),
+          ("oracle/st tok/occ", 17, ".3f"), ("tok/s", 6, ".3f")]
   lines = [" ".join(f"{name:>{w}}" for name, w, _ in cols)]
   for r in rows:
     s, b, f = r["static"], r["balanced"], r["flexfloor"]
@@ -707,7 +751,8 @@ def format_cluster_table(rows: list[dict]) -> str:
             r["ratio"][k], f[k] / b[k] if b[k] else 0.0, s["generation_wall_s"],
             b["generation_wall_s"], f["generation_wall_s"], r["ratio"]["throughput_tokens_per_s"],
             r["ratio_balanced"]["throughput_tokens_per_s"],
-            f["idle_after_finish_fraction_seconds"]]
+            f["idle_after_finish_fraction_seconds"], r["ratio_oracle"]["oracle_flexfloor"][k],
+            r["ratio_oracle"]["oracle_balanced"]["throughput_tokens_per_s"]]
     lines.append(" ".join(f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(cols, vals)))
   return "\n".join(lines)
 
@@ -780,6 +825,14 @@ def main(argv=None):
   if F.model not in MODELS:
     print(f"error: --model must be one of {sorted(MODELS)}, got {F.model!r}", file=sys.stderr)
     sys.exit(2)
+  if F.hardware.startswith("measured:"):  # a step table of scripts/device_check.sh
+    from flexfloor_jax.policy import measured_hw
+    try:
+      HARDWARE[F.hardware] = measured_hw.load_hardware(F.hardware[len("measured:"):], HARDWARE,
+                                                       MODELS[F.model])
+    except ValueError as e:
+      print(f"error: --hardware: {e}", file=sys.stderr)
+      sys.exit(2)
   if F.hardware not in HARDWARE:
     print(f"error: --hardware must be one of {sorted(HARDWARE)} (cpu: use --calibrate), got "
           f"{F.hardware!r}", file=sys.stderr)

@@ -262,6 +262,7 @@ def test_measured_step_times_drive_the_next_run(params, tmp_path):
   from flexfloor_jax.policy import scheduler
   c = get_config()
   c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.scheduler.step_cost = "measured"  # 'auto' decides on device-steps on emulated CPU devices
   hist = scheduler.LengthHistory()
   first = run(c, params, tmp_path, "first", history=hist)
   assert first.summary["cost_model"] is None  # nothing measured before the first run
@@ -272,6 +273,7 @@ def test_measured_step_times_drive_the_next_run(params, tmp_path):
   back = scheduler.LengthHistory.load(str(path))
   assert back.step_seconds == measured
   second = run(c, params, tmp_path, "second", history=back)
+  assert second.summary["step_cost"] == "measured"
   assert second.summary["cost_model"] == "measured"
   assert {int(k): v for k, v in second.summary["cost_table"].items()} == measured
   assert second.summary["releases"] and sizes_over_time(second)[-1] == 1  # released on it

@@ -110,6 +110,22 @@ def test_history_keeps_step_seconds(tmp_path):
     scheduler.LengthHistory.load(str(tmp_path / "bad.json"))
 
 
+def test_step_cost_setting_picks_the_cost_model():
+  h = scheduler.LengthHistory()
+  h.add("p", 0, [3, 4])
+  h.add_step_seconds({8: 0.02, 4: 0.01})
+  s = seqs_of([5, 6, 7, 8])
+  _, measured, _ = plan.plan_rollout(s, h, "flexfloor", 2, 2, 1, step_cost="measured")
+  _, steps, _ = plan.plan_rollout(s, h, "flexfloor", 2, 2, 1, step_cost="steps")
+  assert isinstance(measured.cost, costs.MeasuredStepCost) and steps.cost is None
+  # emulated CPU devices share the host's cores: 'auto' keeps device-steps there
+  assert costs.resolve("auto", "cpu") == "steps"
+  assert costs.resolve("auto", "gpu") == costs.resolve("auto", "tpu") == "measured"
+  assert costs.resolve("steps", "gpu") == "steps" and costs.resolve("measured", "cpu") == "measured"
+  with pytest.raises(ValueError, match="step_cost|one of"):
+    costs.resolve("seconds", "cpu")
+
+
 def test_makespan_seconds_by_hand():
   tl = accounting.Timeline(workers=[0, 1], slots_per_worker=1, t_start=10.0)
   tl.add_step("prefill", 0, 1, [0, 1], [1, 1], 10.0, 11.0)

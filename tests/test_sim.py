@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from flexfloor_jax import sim
-from flexfloor_jax.policy import scheduler, stepsim, workload
+from flexfloor_jax.policy import planner, scheduler, stepsim, workload
+from flexfloor_jax.policy.controller import Seq
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,9 +36,15 @@ def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
   assert s["tokens_per_occupied_device_second"] > 0 and f["tokens_per_occupied_device_second"] > 0
   assert row["ratio"]["tokens_per_occupied_device_second"] == pytest.approx(
       f["tokens_per_occupied_device_second"] / s["tokens_per_occupied_device_second"])
-  # the static baseline holds every device to the batch's end; flexfloor releases
+  # the static baseline holds every device to the batch's end; flexfloor releases whole groups
+  # as they finish (the time-aware floor decides inside a group) and keeps balanced's makespan
+  b = row["balanced"]
   assert s["occupied_device_seconds"] == pytest.approx(64 * s["generation_wall_s"])
-  assert f["worker_releases"] > 0 and s["worker_releases"] == 0
+  assert s["worker_releases"] == 0 and b["worker_releases"] == 0
+  assert f["occupied_device_seconds"] < b["occupied_device_seconds"]
+  assert f["generation_wall_s"] <= (1 + row["makespan_slack"]) * b["generation_wall_s"]
+  for name in ("oracle_balanced", "oracle_flexfloor"):  # perfect knowledge, same policy code
+    assert row[name]["generated_tokens"] == s["generated_tokens"]
   line = [ln for ln in r.stdout.splitlines() if ln.split() and ln.split()[0] == "64"]
   assert line, r.stdout
   assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,6 +124,38 @@ def test_floor_per_hardware():
   assert sim.floor_for(sim.MODELS["mixtral-8x22b"], sim.HARDWARE["tpu-v5p"], 8, 4, 2304) == 4
 
 
+def _history_of(seqs, epochs=2):
+  h = scheduler.LengthHistory()
+  for e in range(epochs):
+    h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
+  return h
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_group_split_packs_within_balanced_makespan(lanes):
+  """Across EP groups, flexfloor packs the long work onto the last groups: every sequence goes to
+  exactly one group, the predicted makespan (list schedule of the known lengths) stays within
+  the slack of balanced's, and the groups are held for fewer lane-steps in all."""
+  rng = np.random.default_rng(3)
+  lengths = np.r_[rng.integers(2, 12, 40), [60, 45]]
+  seqs = [Seq(i, f"p{i}", 0, 4, int(n), 64) for i, n in enumerate(lengths)]
+  hist, G, ep, slack = _history_of(seqs), 6, 1, 0.05
+  pre = lanes / ep  # each sequence's prefill lane-steps, as group_split counts them
+
+  def finishes(split):
+    return [planner.list_schedule_finish([], [lengths[i] + pre for i in g], lanes) if g else 0.0
+            for g in split]
+
+  out = {k: sim.group_split(seqs, k, hist, G, lanes, ep, slack) for k in sim.SCHEDULES}
+  for k, split in out.items():
+    assert sorted(i for g in split for i in g) == list(range(len(seqs))), k
+  assert out["static"][0] == list(range(7))  # contiguous chunks
+  fb, ff = finishes(out["balanced"]), finishes(out["flexfloor"])
+  assert max(ff) <= (1 + slack) * max(fb)
+  assert sum(ff) < sum(fb)
+  assert min(ff) < min(fb)  # a group left with short (or no) work goes early
+
+
 def test_cluster_groups_and_static_hold():
   r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 16,
                            length_scale=1.0, processes=1)
@@ -129,9 +168,10 @@ def test_cluster_groups_and_static_hold():
 
 
 def test_rl_step_released_logprobs_shorten_the_step():
-  """tpu-v5p holds Mixtral 8x7B on one chip (floor 1): workers are released mid-rollout and
-  score finished responses, so less log-prob work is left after generation."""
-  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"], 8,
+  """64 tpu-v5p chips in 8 EP groups: the groups given the short work finish early and are
+  released whole, and their devices score finished responses, so less log-prob work is left
+  after generation (inside one group the time-aware floor keeps all 8: 8 -> 7 costs seconds)."""
+  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"], 64,
                            length_scale=1.0, processes=1)
   q = r["rl_step"]
   st, fl, re = q["static"], q["flexfloor"], q["flexfloor_released_logprobs"]

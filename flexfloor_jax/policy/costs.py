@@ -46,6 +46,21 @@ class MeasuredStepCost:
     return float(np.interp(float(n_active), self._n, self._t))
 
 
+STEP_COSTS = ("auto", "measured", "steps")
+
+
+def resolve(step_cost: str, platform: str) -> str:
+  """scheduler.step_cost -> 'measured' | 'steps'. 'auto' decides on measured seconds on TPU/GPU
+  and on device-steps on emulated CPU devices: they share the host's cores, so their step times
+  say little about an accelerator's and vary with the machine's load from run to run, which would
+  make the releases (and the device-steps a benchmark reports) differ between identical runs."""
+  if step_cost not in STEP_COSTS:
+    raise ValueError(f"must be one of {STEP_COSTS}, got {step_cost!r}")
+  if step_cost == "auto":
+    return "steps" if platform == "cpu" else "measured"
+  return step_cost
+
+
 def from_history(table: Mapping[int, float] | None) -> MeasuredStepCost | None:
   """The measured cost model if the history holds one for >= 2 sizes, else None."""
   if not table or len(table) < 2:

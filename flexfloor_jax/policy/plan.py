@@ -14,7 +14,7 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
                  num_workers: int, slots_per_worker: int, floor: int, *,
                  steps_per_dispatch: int = 8, placement: str = "auto", compaction: bool = True,
                  epoch: int = 0, sizes: tuple[int, ...] | None = None,
-                 makespan_slack: float = 0.05, cost=None):
+                 makespan_slack: float = 0.05, cost=None, step_cost: str = "measured"):
   """(queues, release policy, predicted length by seq id).
 
   schedule='static': the verl-like baseline (contiguous chunks, no release).
@@ -28,15 +28,16 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
     compaction of stragglers (compaction=True), never work stealing.
   `sizes`: the active-group sizes a release may leave (planner.release_sizes); None = all.
   `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
-  floor). None: the step times measured by earlier runs and kept in `history`, if it holds them
-  for >= 2 group sizes, else device-steps alone."""
+  floor). None: with step_cost='measured', the step times measured by earlier runs and kept in
+  `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
+  device-steps alone."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if placement not in PLACEMENTS:
     raise ValueError(f"scheduler.placement must be one of {PLACEMENTS}, got {placement!r}")
   workers = list(range(num_workers))
   flex = schedule == "flexfloor"
-  if cost is None:
+  if cost is None and step_cost == "measured":
     cost = costs.from_history(history.step_seconds)
   timed = dict(cost=cost, makespan_slack=makespan_slack)
   if flex and placement == "auto":
