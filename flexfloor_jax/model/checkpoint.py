@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any, Optional
 
@@ -72,20 +73,36 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> ModelConfig:
       raise CheckpointError(f"{source}: missing field '{name}'")
     return default
 
+  def int_field(name, default=KeyError):
+    v = field(name, default)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+      raise CheckpointError(f"{source}: field '{name}' must be an integer, got {v!r}")
+    return v
+
+  def num_field(name, default=KeyError):
+    v = field(name, default)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+      raise CheckpointError(f"{source}: field '{name}' must be a finite number, got {v!r}")
+    return float(v)
+
   model_type = hf.get("model_type")
   if model_type != "mixtral":
     raise CheckpointError(f"{source}: field 'model_type' is {model_type!r}; only 'mixtral' is "
                           "supported")
-  hidden, heads = int(field("hidden_size")), int(field("num_attention_heads"))
-  kv_heads = field("num_key_value_heads", None)
-  head_dim = field("head_dim", None)
+  hidden, heads = int_field("hidden_size"), int_field("num_attention_heads")
+  kv_heads = int_field("num_key_value_heads", None)
+  head_dim = int_field("head_dim", None)
   # transformers 5 nests rope_theta in rope_parameters; 4.x has it top level.
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(rope, dict):
+    raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, got {rope!r}")
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type != "default":
     raise CheckpointError(f"{source}: field 'rope_parameters.rope_type' is {rope_type!r}; only "
                           "'default' RoPE is supported")
   theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta):
+    raise CheckpointError(f"{source}: field 'rope_theta' must be a finite number, got {theta!r}")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
@@ -93,26 +110,29 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> ModelConfig:
   if isinstance(eos, (list, tuple)):  # several stop ids: the first one is the model's eos
     eos = eos[0] if eos else None
   bos = hf.get("bos_token_id", 1)
+  for name, v in (("eos_token_id", eos), ("bos_token_id", bos)):
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+      raise CheckpointError(f"{source}: field '{name}' must be an integer, got {v!r}")
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   if dtype not in _DTYPES:
     raise CheckpointError(f"{source}: field 'dtype' is {dtype!r}; expected one of "
                           "float32, bfloat16, float16")
-  sw = hf.get("sliding_window")
+  sw = int_field("sliding_window", None)
   try:
     return ModelConfig(
-        vocab_size=int(field("vocab_size")), hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size")),
-        num_layers=int(field("num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(kv_heads if kv_heads is not None else heads),
-        head_dim=int(head_dim if head_dim is not None else hidden // heads),
-        num_experts=int(field("num_local_experts")), top_k=int(field("num_experts_per_tok")),
-        rope_theta=float(theta), rms_eps=float(field("rms_norm_eps", 1e-5)),
-        sliding_window=None if sw is None else int(sw),
-        max_position_embeddings=int(field("max_position_embeddings", 32768)),
-        eos_id=-1 if eos is None else int(eos),  # -1: no eos token, never matches
-        bos_id=-1 if bos is None else int(bos),
+        vocab_size=int_field("vocab_size"), hidden_size=hidden,
+        intermediate_size=int_field("intermediate_size"),
+        num_layers=int_field("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads if kv_heads is not None else heads,
+        head_dim=head_dim if head_dim is not None else hidden // heads,
+        num_experts=int_field("num_local_experts"), top_k=int_field("num_experts_per_tok"),
+        rope_theta=float(theta), rms_eps=num_field("rms_norm_eps", 1e-5),
+        sliding_window=sw,
+        max_position_embeddings=int_field("max_position_embeddings", 32768),
+        eos_id=-1 if eos is None else eos,  # -1: no eos token, never matches
+        bos_id=-1 if bos is None else bos,
         dtype=_DTYPES[dtype])
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, ZeroDivisionError) as e:
     if isinstance(e, CheckpointError):
       raise
     raise CheckpointError(f"{source}: {e}") from None
