@@ -98,6 +98,16 @@ def check_int(config, name: str, lo: int = 1) -> None:
     raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
 
 
+def check_num(config, name: str, lo: float = 0.0, hi: float = math.inf, *,
+              lo_open: bool = False, hi_open: bool = False) -> None:
+  """Field `name` (dotted) must be a finite number in the interval lo..hi."""
+  v = _get(config, name)
+  ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+  if not ok:
+    iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
+    raise ConfigError(f"{name} must be a finite number in {iv}, got {v!r}")
+
+
 def _get(config, name: str):
   v = config
   for part in name.split("."):
