@@ -39,6 +39,15 @@ def prepare(config):
   else:
     model_cfg = PRESETS[config.preset]
   r = config.rollout
+  if r.prompts and os.path.isfile(r.prompts):
+    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
+    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
+    from flexfloor_jax.policy.jsonl import iter_jsonl
+    try:
+      for _ in iter_jsonl(r.prompts):
+        pass
+    except ValueError as e:
+      raise runner.RolloutError(f"rollout.prompts: {e}") from None
   path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
   try:
     return scheduler.LengthHistory.load(path, max_new_tokens=r.max_new_tokens,
@@ -62,10 +71,13 @@ def main(argv):
   distributed.initialize_from_flags(_DIST_FLAGS)  # no-op unless multi-process is configured
   from flexfloor_jax.cli import enable_compilation_cache
   enable_compilation_cache()
+  from flexfloor_jax.model.checkpoint import CheckpointError
   try:
     res = runner.run(config, history=history)
   except runner.RolloutError as e:
     fail(str(e))
+  except CheckpointError as e:  # found while reading the tensors (NaN values, say)
+    fail(f"model.checkpoint: {e}")
   s = res.summary
   log = process_log(config.rollout.output_dir)
   log(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "

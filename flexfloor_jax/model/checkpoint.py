@@ -44,6 +44,10 @@ ORBAX_PARAMS_DIR = "params"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; not parameters
+# safetensors dtypes a parameter may have: floating point, cast to the model's dtype at load.
+# An integer or fp8 tensor under a parameter's name would cast to garbage (quantized weights
+# need their scales), so it is refused.
+_FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -249,6 +253,11 @@ def _validate(path: str) -> tuple[ModelConfig, dict, dict[str, _Entry], dict[str
     if inv[key].shape != shape:
       raise CheckpointError(f"{inv[key].file}: key '{key}' has shape {inv[key].shape}, expected "
                             f"{shape} from {os.path.join(path, CONFIG_FILE)}")
+    if inv[key].dtype not in _FLOAT_TENSOR_DTYPES:
+      raise CheckpointError(f"{inv[key].file}: key '{key}' has dtype {inv[key].dtype}; the "
+                            f"model's dtype is {cfg.dtype} ({os.path.join(path, CONFIG_FILE)}) "
+                            f"and only floating-point tensors ({', '.join(_FLOAT_TENSOR_DTYPES)}) "
+                            "can be cast to it")
   for key, ent in inv.items():
     if key not in exp and not key.endswith(_IGNORED_SUFFIXES):
       raise CheckpointError(f"{ent.file}: unexpected key '{key}' (not part of a Mixtral with "
@@ -293,15 +302,23 @@ def load_hf(path: str, *, dtype: Optional[str] = None, shardings: Any = None
   handles: dict[str, Any] = {}
 
   def get(key: str) -> np.ndarray:
+    """The tensor cast to the model's dtype, every value finite: a NaN weight would otherwise
+    run to the end and write NaN log-probs; checked after the cast, which can overflow."""
     fpath = inv[key].file
     if fpath not in handles:
       handles[fpath] = safe_open(fpath, framework="np").__enter__()
-    return handles[fpath].get_tensor(key)
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
+      t = handles[fpath].get_tensor(key).astype(dt, copy=False)
+    if not np.isfinite(t).all():
+      n = int(t.size - np.count_nonzero(np.isfinite(t)))
+      raise CheckpointError(f"{fpath}: tensor '{key}' holds {n} NaN or infinite value(s) (as "
+                            f"{cfg.dtype})")
+    return t
 
   try:
-    embed = get("model.embed_tokens.weight").astype(dt)
-    final_norm = get("model.norm.weight").astype(dt)
-    lm_head = (get("lm_head.weight") if "lm_head.weight" in exp else embed).T.astype(dt)
+    embed = get("model.embed_tokens.weight")
+    final_norm = get("model.norm.weight")
+    lm_head = np.ascontiguousarray((get("lm_head.weight") if "lm_head.weight" in exp else embed).T)
     for n in range(nl):
       p = f"model.layers.{n}."
       layers["attn_norm"][n] = get(p + "input_layernorm.weight")
@@ -378,6 +395,23 @@ def _orbax_config(path: str) -> ModelConfig:
     raise CheckpointError(f"{cfg_path}: {e}") from None
 
 
+def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
+  """Every array floating point and finite (one reduction per array, one transfer in all);
+  CheckpointError naming the first bad tensor otherwise."""
+  import jax
+  import jax.numpy as jnp
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  for kp, x in leaves:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' has dtype {x.dtype}; "
+                            f"the model's dtype is {cfg.dtype}")
+  ok = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+  for (kp, _), good in zip(leaves, ok):
+    if not good:
+      raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' holds NaN or "
+                            f"infinite values (as {cfg.dtype})")
+
+
 def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
   """Restore (cfg, params). With `shardings` (a pytree of jax.sharding.Sharding matching the
   params) each array is restored straight onto it, whatever mesh it was saved from; without,
@@ -401,6 +435,7 @@ def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
     params = ckptr.restore(params_dir, target)
   finally:
     ckptr.close()
+  _check_params(params, params_dir, cfg)
   return cfg, params
 
 
@@ -433,6 +468,7 @@ def load_checkpoint(path: str, preset_cfg: Optional[ModelConfig] = None, *,
       import jax
       cfg = cfg.replace(dtype=_DTYPES.get(dtype, dtype))
       params = jax.tree.map(lambda x: x.astype(cfg.dtype), params)
+      _check_params(params, os.path.join(path, ORBAX_PARAMS_DIR), cfg)  # the cast may overflow
   else:
     raise CheckpointError(f"{path}: not a checkpoint (no {CONFIG_FILE} for Hugging Face, no "
                           f"{ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/ for orbax)")
