@@ -56,7 +56,7 @@ def validate(config) -> None:
       check_int(config, name)
     check_int(config, "sft.seed", 0)
     check_int(config, "rl.prompt_seed", 0)
-    check_num(config, "sft.lr", 0, lo_open=True)
+    check_num(config, "sft.lr")
     check_num(config, "sft.weight_decay")
     if s.batch_size > s.num_prompts:  # batches are drawn without replacement from the pool
       raise ConfigError(f"sft.batch_size={s.batch_size} exceeds the pool of "

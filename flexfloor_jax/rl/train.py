@@ -323,7 +323,7 @@ def validate(config) -> None:
       check_int(config, name)
     check_int(config, "keep_checkpoints", 0)
     check_int(config, "rl.prompt_seed", 0)
-    check_num(config, "rl.lr", 0, lo_open=True)
+    check_num(config, "rl.lr")  # 0: a no-learning control run (tests/test_rl_grpo.py)
     check_num(config, "rl.grad_clip", 0, lo_open=True)
     check_num(config, "rl.clip_eps", 0, lo_open=True)
     for name in ("rl.weight_decay", "rl.kl_beta", "rl.aux_coef"):
@@ -341,8 +341,9 @@ def validate(config) -> None:
 
 
 def _check_finite(name: str, values, resp, step: int) -> None:
-  """values[i]: response i's numbers (a scalar or an array). A NaN or infinite reward or log-prob would train on garbage (and the loss would turn NaN
-  a step later, far from its cause): stop at the first one, naming the response."""
+  """values[i]: response i's numbers (a scalar or an array). A NaN or infinite reward or
+  log-prob would train on garbage (and the loss would turn NaN a step later, far from its
+  cause): stop at the first one, naming the response."""
   bad = np.flatnonzero([not np.all(np.isfinite(np.asarray(v, float))) for v in values])
   if bad.size:
     r = resp[bad[0]]
