@@ -2,7 +2,7 @@
 `python -m flexfloor_jax.rl.sft --config=configs/grpo.py` for the warm start).
 
 Every section of configs/mixtral.py (model, mesh, rollout, sampling, schedule, scheduler) under the
-same names, plus steps / output_dir / checkpoint_every and the `rl` and `sft` sections. The
+same names, plus steps / output_dir / checkpoint_every / keep_checkpoints and the `rl` and `sft` sections. The
 rollout's prompts are the built-in tasks (rl.tasks), written to <output_dir>/prompts.jsonl.
 """
 
@@ -17,6 +17,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.steps = 20
   c.output_dir = "grpo_out"
   c.checkpoint_every = 5  # orbax checkpoint every k steps (and after the last)
+  c.keep_checkpoints = 3  # newest complete checkpoints kept, older ones removed (0 = keep all)
 
   c.model.checkpoint = "sft_out/checkpoint"  # the SFT warm start ('' = random init)
   c.model.max_seq_len = 160

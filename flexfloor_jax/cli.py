@@ -1,6 +1,10 @@
-"""Shared bits of the command-line entry points."""
+"""Shared bits of the command-line entry points: one-line errors, the --config flag with "did you
+mean" help for misspelled fields, and the field checks every entry point runs before any heavy
+import (rollout, sft, train)."""
 
+import math
 import os
+import re
 import sys
 
 
@@ -8,6 +12,135 @@ def fail(msg: str) -> None:
   """One clear line on stderr and a non-zero exit (no traceback for bad input)."""
   print(f"error: {msg}", file=sys.stderr)
   sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- --config flag
+
+
+def unknown_override(err: Exception) -> None:
+  """A --config.a.b=v override naming a field the config lacks: ml_collections raises a bare
+  KeyError/AttributeError (while the flag is defined, or while parsing): one line instead, with
+  ml_collections' own "Did you mean" hint."""
+  msg = err
+  while isinstance(msg, BaseException):
+    msg = msg.args[0] if msg.args else str(msg)
+  lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()] or [""]
+  key, hint = lines[0].strip("\"'"), " ".join(lines[1:])
+  given = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
+  bad = [a for a in given if key in a[len("--config."):].split(".")] or given
+  fail(f"{bad[0] if bad else '--config'}: no such config field {key!r}" +
+       (f" ({hint})" if hint else ""))
+
+
+def define_config(default: str, help_: str):
+  """config_flags.DEFINE_config_file('config', ...); a misspelled override fails in one line."""
+  from ml_collections import config_flags
+  try:
+    return config_flags.DEFINE_config_file("config", default, help_)
+  except (AttributeError, KeyError) as e:
+    unknown_override(e)
+
+
+def config_file_error(e: OSError) -> None:
+  lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+  fail(f"--config: {lines[-1] if lines else e}")
+
+
+def parse_flags(argv):
+  """absl's parser, but a bad flag (an unknown preset raises inside the config file, a misspelled
+  field) is one line on stderr, not ml_collections' embedded traceback plus a usage hint."""
+  from absl import flags
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+      fail(lines[0] if lines else type(e).__name__)
+    head = lines[0].split(": Error whilst parsing config file")[0].rstrip(":")
+    last = re.sub(r"^[A-Za-z_.]*(Error|Exception): ", "", lines[-1])
+    fail(f"{head}: {last}")
+  except OSError as e:  # a missing config file, hit while applying --config.x overrides to it
+    config_file_error(e)
+  except (AttributeError, KeyError) as e:
+    unknown_override(e)
+
+
+def config_loaded(config) -> None:
+  """A config file that failed to load raises on first access (ml_collections defers it)."""
+  try:
+    config.mesh  # noqa: B018
+  except OSError as e:
+    config_file_error(e)
+
+
+# ----------------------------------------------------------------------------- field checks
+
+
+class ConfigError(ValueError):
+  """A config field with a value no run can use; the message names the field."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _is_int(v) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_int(config, name: str, lo: int = 1) -> None:
+  """Field `name` (dotted) must be an integer >= lo."""
+  v = _get(config, name)
+  if not _is_int(v) or v < lo:
+    raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def check_num(config, name: str, lo: float = 0.0, hi: float = math.inf, *,
+              lo_open: bool = False, hi_open: bool = False) -> None:
+  """Field `name` (dotted) must be a finite number in the interval lo..hi."""
+  v = _get(config, name)
+  ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+  if not ok:
+    iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
+    raise ConfigError(f"{name} must be a finite number in {iv}, got {v!r}")
+
+
+def _get(config, name: str):
+  v = config
+  for part in name.split("."):
+    v = v[part]
+  return v
+
+
+def validate_common(config) -> None:
+  """Fields of the model / mesh / rollout sections that the runner does not check, or checks
+  only after loading the model and compiling (a JAX error then). Numpy-free, jax-free."""
+  m, r = config.model, config.rollout
+  if m.dtype not in DTYPES:
+    extra = (" (JAX computes float64 as float32 unless jax_enable_x64 is set: the run would not "
+             "be what was asked)" if m.dtype == "float64" else "")
+    raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}{extra}")
+  for name in ("model.max_seq_len", "rollout.max_prompt_len", "rollout.max_new_tokens",
+               "rollout.samples_per_prompt", "rollout.slots_per_worker",
+               "rollout.steps_per_dispatch", "rollout.num_prompts"):
+    check_int(config, name)
+  check_int(config, "mesh.num_devices", 0)
+  check_int(config, "rollout.epoch", 0)
+  gb = config.mesh.device_memory_gb
+  if not _is_num(gb) or gb < 0:
+    raise ConfigError(f"mesh.device_memory_gb must be a number >= 0 (0 = the device's own "
+                      f"memory), got {gb!r}")
+  if r.max_prompt_len > m.max_seq_len:
+    raise ConfigError(f"rollout.max_prompt_len={r.max_prompt_len} exceeds model.max_seq_len="
+                      f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
+                      "cache of max_seq_len)")
+  for name in ("model.checkpoint", "rollout.prompts", "rollout.output_dir",
+               "scheduler.history_path"):
+    if not isinstance(_get(config, name), str):
+      raise ConfigError(f"{name} must be a string, got {_get(config, name)!r}")
 
 
 def load_config(name: str, preset: str = ""):

@@ -4,79 +4,80 @@ On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh
 field or 8), which must happen before jax is imported: hence the late imports.
 """
 
-import re
-import sys
+import os
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from flexfloor_jax import distributed
-from flexfloor_jax.cli import emulate_cpu_devices, fail, process_log
+from flexfloor_jax.cli import (config_loaded, define_config, emulate_cpu_devices, fail,
+                               parse_flags, process_log)
 
 
-def _unknown_override(err: Exception) -> None:
-  """A --config.a.b=v override naming a field the config lacks: ml_collections raises a bare
-  KeyError/AttributeError (while the flag is defined, or while parsing): one line instead."""
-  msg = err
-  while isinstance(msg, BaseException):
-    msg = msg.args[0] if msg.args else str(msg)
-  lines = [ln.strip() for ln in str(msg).splitlines() if ln.strip()] or [""]
-  key, hint = lines[0].strip("\"'"), " ".join(lines[1:])
-  given = [a.split("=", 1)[0] for a in sys.argv[1:] if a.startswith("--config.")]
-  bad = [a for a in given if key in a[len("--config."):].split(".")] or given
-  fail(f"{bad[0] if bad else '--config'}: no such config field {key!r}" +
-       (f" ({hint})" if hint else ""))
-
-
-try:
-  _CONFIG = config_flags.DEFINE_config_file("config", "configs/mixtral.py", "Rollout config file.")
-except (AttributeError, KeyError) as e:
-  _unknown_override(e)
+_CONFIG = define_config("configs/mixtral.py", "Rollout config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
 _DIST_FLAGS = distributed.define_flags()
 
 
-def _parse_flags(argv):
-  """absl's parser, but a bad flag (an unknown preset raises inside the config file) is one line
-  on stderr, not ml_collections' embedded traceback plus a usage hint."""
+def prepare(config):
+  """Every check that needs no JAX, then the length history loaded against this model (its
+  lengths in [1, rollout.max_new_tokens]; another model's history: a warning and a fresh one).
+  Raises runner.RolloutError or cli.ConfigError."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.cli import validate_common
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model.config import PRESETS, model_identity
+  from flexfloor_jax.policy import scheduler
+
+  validate_common(config)
+  runner.validate_config(config)
+  if config.model.checkpoint:
+    try:
+      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise runner.RolloutError(f"model.checkpoint: {e}") from None
+  else:
+    model_cfg = PRESETS[config.preset]
+  r = config.rollout
+  if r.prompts and os.path.isfile(r.prompts):
+    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
+    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
+    from flexfloor_jax.policy.jsonl import iter_jsonl
+    try:
+      for _ in iter_jsonl(r.prompts):
+        pass
+    except ValueError as e:
+      raise runner.RolloutError(f"rollout.prompts: {e}") from None
+  path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
   try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    if len(lines) <= 1:
-      fail(lines[0] if lines else type(e).__name__)
-    head = lines[0].split(": Error whilst parsing config file")[0].rstrip(":")
-    last = re.sub(r"^[A-Za-z_.]*(Error|Exception): ", "", lines[-1])
-    fail(f"{head}: {last}")
-  except OSError as e:  # a missing config file, hit while applying --config.x overrides to it
-    _config_file_error(e)
-  except (AttributeError, KeyError) as e:
-    _unknown_override(e)
-
-
-def _config_file_error(e: OSError) -> None:
-  lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-  fail(f"--config: {lines[-1] if lines else e}")
+    return scheduler.LengthHistory.load(path, max_new_tokens=r.max_new_tokens,
+                                        model=model_identity(model_cfg))
+  except scheduler.HistoryError as e:
+    raise runner.RolloutError(f"scheduler.history_path: {e}") from None
 
 
 def main(argv):
   del argv
   config = _CONFIG.value
+  config_loaded(config)
+  from flexfloor_jax import runner
+  from flexfloor_jax.cli import ConfigError
   try:
-    config.mesh  # noqa: B018  a config file that failed to load raises on first access
-  except OSError as e:  # missing or unreadable config file (ml_collections defers the error)
-    _config_file_error(e)
+    history = prepare(config)  # before jax starts: bad input fails in well under a second
+  except (ConfigError, runner.RolloutError) as e:
+    fail(str(e))
   emulate_cpu_devices(_CPU_DEVICES.value or distributed.local_cpu_devices()
                       or config.mesh.cpu_devices)
   distributed.initialize_from_flags(_DIST_FLAGS)  # no-op unless multi-process is configured
-  from flexfloor_jax import runner
   from flexfloor_jax.cli import enable_compilation_cache
   enable_compilation_cache()
+  from flexfloor_jax.model.checkpoint import CheckpointError
   try:
-    res = runner.run(config)
+    res = runner.run(config, history=history)
   except runner.RolloutError as e:
     fail(str(e))
+  except CheckpointError as e:  # found while reading the tensors (NaN values, say)
+    fail(f"model.checkpoint: {e}")
   s = res.summary
   log = process_log(config.rollout.output_dir)
   log(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "
@@ -87,4 +88,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=parse_flags)

@@ -1,9 +1,12 @@
 """The GRPO loop (rl/train.py) on tiny sizes: metrics, checkpoints and history; a run killed
 with SIGKILL resumes from its last complete checkpoint (whose length history wins over a newer
-history file) with bitwise-equal deterministic metrics. (static == flexfloor step by step:
+history file) with bitwise-equal deterministic metrics, and so does a run whose newest checkpoint
+was damaged (it falls back to the one before). (static == flexfloor step by step:
 test_rl_grpo.py.)"""
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +59,28 @@ def test_metrics_files_and_names(straight):
   assert len(h) == 4 and all(sorted(h.epochs(p)) == [0, 1, 2] for p in h.data)
   # an update happened: the policy moved away from the reference (KL) and gradients are finite
   assert rows[-1]["actor/kl"] > 0 and all(r["actor/grad_norm"] > 0 for r in rows)
+
+
+def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog):
+  """Issue 20 (4): step 3's data file truncated and a stray step_6.bak beside it. Before: a
+  tensorstore error dump, no resume. Now: a warning naming step_3, step 2 restored, step 3 redone
+  bitwise as the straight run did it, and a verified step 3 written again."""
+  out, full = straight
+  run = tmp_path / "run"
+  shutil.copytree(out, run)
+  ck = run / "checkpoints"
+  data = [os.path.join(d, n) for d, _, names in os.walk(ck / "step_3" / "state") for n in names
+          if os.sep + "d" + os.sep in os.path.join(d, n)]
+  victim = max(data, key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 2)
+  shutil.copytree(ck / "step_2", ck / "step_6.bak")
+  with caplog.at_level(logging.WARNING, logger=train.__name__):
+    rows = train.train(_config(run))
+  assert str(ck / "step_3") in caplog.text
+  assert _det(rows) == _det(full)
+  assert train.read_meta(str(ck / "step_3"), 3)["step"] == 3  # rewritten whole
+  assert sorted(os.listdir(ck)) == ["step_2", "step_3", "step_6.bak"]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from typing import Any, Optional
 
@@ -43,6 +44,10 @@ ORBAX_PARAMS_DIR = "params"
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; not parameters
+# safetensors dtypes a parameter may have: floating point, cast to the model's dtype at load.
+# An integer or fp8 tensor under a parameter's name would cast to garbage (quantized weights
+# need their scales), so it is refused.
+_FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class CheckpointError(ValueError):
@@ -72,20 +77,36 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> ModelConfig:
       raise CheckpointError(f"{source}: missing field '{name}'")
     return default
 
+  def int_field(name, default=KeyError):
+    v = field(name, default)
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+      raise CheckpointError(f"{source}: field '{name}' must be an integer, got {v!r}")
+    return v
+
+  def num_field(name, default=KeyError):
+    v = field(name, default)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+      raise CheckpointError(f"{source}: field '{name}' must be a finite number, got {v!r}")
+    return float(v)
+
   model_type = hf.get("model_type")
   if model_type != "mixtral":
     raise CheckpointError(f"{source}: field 'model_type' is {model_type!r}; only 'mixtral' is "
                           "supported")
-  hidden, heads = int(field("hidden_size")), int(field("num_attention_heads"))
-  kv_heads = field("num_key_value_heads", None)
-  head_dim = field("head_dim", None)
+  hidden, heads = int_field("hidden_size"), int_field("num_attention_heads")
+  kv_heads = int_field("num_key_value_heads", None)
+  head_dim = int_field("head_dim", None)
   # transformers 5 nests rope_theta in rope_parameters; 4.x has it top level.
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if not isinstance(rope, dict):
+    raise CheckpointError(f"{source}: field 'rope_parameters' must be an object, got {rope!r}")
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type != "default":
     raise CheckpointError(f"{source}: field 'rope_parameters.rope_type' is {rope_type!r}; only "
                           "'default' RoPE is supported")
   theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta):
+    raise CheckpointError(f"{source}: field 'rope_theta' must be a finite number, got {theta!r}")
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise CheckpointError(f"{source}: field 'hidden_act' is {act!r}; only 'silu' is supported")
@@ -93,26 +114,29 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> ModelConfig:
   if isinstance(eos, (list, tuple)):  # several stop ids: the first one is the model's eos
     eos = eos[0] if eos else None
   bos = hf.get("bos_token_id", 1)
+  for name, v in (("eos_token_id", eos), ("bos_token_id", bos)):
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+      raise CheckpointError(f"{source}: field '{name}' must be an integer, got {v!r}")
   dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
   if dtype not in _DTYPES:
     raise CheckpointError(f"{source}: field 'dtype' is {dtype!r}; expected one of "
                           "float32, bfloat16, float16")
-  sw = hf.get("sliding_window")
+  sw = int_field("sliding_window", None)
   try:
     return ModelConfig(
-        vocab_size=int(field("vocab_size")), hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size")),
-        num_layers=int(field("num_hidden_layers")), num_heads=heads,
-        num_kv_heads=int(kv_heads if kv_heads is not None else heads),
-        head_dim=int(head_dim if head_dim is not None else hidden // heads),
-        num_experts=int(field("num_local_experts")), top_k=int(field("num_experts_per_tok")),
-        rope_theta=float(theta), rms_eps=float(field("rms_norm_eps", 1e-5)),
-        sliding_window=None if sw is None else int(sw),
-        max_position_embeddings=int(field("max_position_embeddings", 32768)),
-        eos_id=-1 if eos is None else int(eos),  # -1: no eos token, never matches
-        bos_id=-1 if bos is None else int(bos),
+        vocab_size=int_field("vocab_size"), hidden_size=hidden,
+        intermediate_size=int_field("intermediate_size"),
+        num_layers=int_field("num_hidden_layers"), num_heads=heads,
+        num_kv_heads=kv_heads if kv_heads is not None else heads,
+        head_dim=head_dim if head_dim is not None else hidden // heads,
+        num_experts=int_field("num_local_experts"), top_k=int_field("num_experts_per_tok"),
+        rope_theta=float(theta), rms_eps=num_field("rms_norm_eps", 1e-5),
+        sliding_window=sw,
+        max_position_embeddings=int_field("max_position_embeddings", 32768),
+        eos_id=-1 if eos is None else eos,  # -1: no eos token, never matches
+        bos_id=-1 if bos is None else bos,
         dtype=_DTYPES[dtype])
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, ZeroDivisionError) as e:
     if isinstance(e, CheckpointError):
       raise
     raise CheckpointError(f"{source}: {e}") from None
@@ -229,6 +253,11 @@ def _validate(path: str) -> tuple[ModelConfig, dict, dict[str, _Entry], dict[str
     if inv[key].shape != shape:
       raise CheckpointError(f"{inv[key].file}: key '{key}' has shape {inv[key].shape}, expected "
                             f"{shape} from {os.path.join(path, CONFIG_FILE)}")
+    if inv[key].dtype not in _FLOAT_TENSOR_DTYPES:
+      raise CheckpointError(f"{inv[key].file}: key '{key}' has dtype {inv[key].dtype}; the "
+                            f"model's dtype is {cfg.dtype} ({os.path.join(path, CONFIG_FILE)}) "
+                            f"and only floating-point tensors ({', '.join(_FLOAT_TENSOR_DTYPES)}) "
+                            "can be cast to it")
   for key, ent in inv.items():
     if key not in exp and not key.endswith(_IGNORED_SUFFIXES):
       raise CheckpointError(f"{ent.file}: unexpected key '{key}' (not part of a Mixtral with "
@@ -273,15 +302,23 @@ def load_hf(path: str, *, dtype: Optional[str] = None, shardings: Any = None
   handles: dict[str, Any] = {}
 
   def get(key: str) -> np.ndarray:
+    """The tensor cast to the model's dtype, every value finite: a NaN weight would otherwise
+    run to the end and write NaN log-probs; checked after the cast, which can overflow."""
     fpath = inv[key].file
     if fpath not in handles:
       handles[fpath] = safe_open(fpath, framework="np").__enter__()
-    return handles[fpath].get_tensor(key)
+    with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
+      t = handles[fpath].get_tensor(key).astype(dt, copy=False)
+    if not np.isfinite(t).all():
+      n = int(t.size - np.count_nonzero(np.isfinite(t)))
+      raise CheckpointError(f"{fpath}: tensor '{key}' holds {n} NaN or infinite value(s) (as "
+                            f"{cfg.dtype})")
+    return t
 
   try:
-    embed = get("model.embed_tokens.weight").astype(dt)
-    final_norm = get("model.norm.weight").astype(dt)
-    lm_head = (get("lm_head.weight") if "lm_head.weight" in exp else embed).T.astype(dt)
+    embed = get("model.embed_tokens.weight")
+    final_norm = get("model.norm.weight")
+    lm_head = np.ascontiguousarray((get("lm_head.weight") if "lm_head.weight" in exp else embed).T)
     for n in range(nl):
       p = f"model.layers.{n}."
       layers["attn_norm"][n] = get(p + "input_layernorm.weight")
@@ -358,6 +395,23 @@ def _orbax_config(path: str) -> ModelConfig:
     raise CheckpointError(f"{cfg_path}: {e}") from None
 
 
+def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
+  """Every array floating point and finite (one reduction per array, one transfer in all);
+  CheckpointError naming the first bad tensor otherwise."""
+  import jax
+  import jax.numpy as jnp
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  for kp, x in leaves:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' has dtype {x.dtype}; "
+                            f"the model's dtype is {cfg.dtype}")
+  ok = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+  for (kp, _), good in zip(leaves, ok):
+    if not good:
+      raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' holds NaN or "
+                            f"infinite values (as {cfg.dtype})")
+
+
 def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
   """Restore (cfg, params). With `shardings` (a pytree of jax.sharding.Sharding matching the
   params) each array is restored straight onto it, whatever mesh it was saved from; without,
@@ -381,6 +435,7 @@ def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
     params = ckptr.restore(params_dir, target)
   finally:
     ckptr.close()
+  _check_params(params, params_dir, cfg)
   return cfg, params
 
 
@@ -413,6 +468,7 @@ def load_checkpoint(path: str, preset_cfg: Optional[ModelConfig] = None, *,
       import jax
       cfg = cfg.replace(dtype=_DTYPES.get(dtype, dtype))
       params = jax.tree.map(lambda x: x.astype(cfg.dtype), params)
+      _check_params(params, os.path.join(path, ORBAX_PARAMS_DIR), cfg)  # the cast may overflow
   else:
     raise CheckpointError(f"{path}: not a checkpoint (no {CONFIG_FILE} for Hugging Face, no "
                           f"{ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/ for orbax)")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from typing import Optional
 
 
@@ -47,6 +49,15 @@ class ModelConfig:
     moe = d * e + 3 * e * d * f
     layer = attn + moe + 2 * d
     return self.vocab_size * d * 2 + self.num_layers * layer + d
+
+
+def model_identity(cfg: ModelConfig) -> str:
+  """A short hash of the model's configuration (every field but dtype: a bf16 copy of a model
+  answers as long as its fp32 original). Recorded in the length history, so that a history is
+  not used for a model of another shape or vocabulary; two checkpoints of one architecture
+  share it."""
+  fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
+  return "cfg-" + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # Byte-level tokenizer vocabulary: 256 bytes + pad/bos/eos (see tokenizer.py).

@@ -1,22 +1,23 @@
 """Flags shared by `python -m flexfloor_jax.rl.sft` and `python -m flexfloor_jax.rl.train`:
 --config (default configs/grpo.py) and --cpu_devices; CPU devices are emulated before jax is
-imported (hence late imports in the entry points)."""
+imported (hence late imports in the entry points). A misspelled --config field fails in one line
+with a "did you mean", as the rollout CLI does."""
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from flexfloor_jax.cli import emulate_cpu_devices
+from flexfloor_jax.cli import config_loaded, define_config, emulate_cpu_devices, parse_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/grpo.py", "GRPO config file.")
+_CONFIG = define_config("configs/grpo.py", "GRPO config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
 
 
 def config_value():
   config = _CONFIG.value
+  config_loaded(config)
   emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)
   return config
 
 
 def run(main):
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

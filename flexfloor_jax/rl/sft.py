@@ -37,7 +37,49 @@ def make_examples(config, tokenizer):
   return toks, mask
 
 
+class SFTError(ValueError):
+  """Bad input or a diverged run; the message names the field or the step."""
+
+
+def validate(config) -> None:
+  """Every field SFT and its closing evaluation rollout read, before any heavy import (a bad
+  field used to surface after the training steps, or never)."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.cli import ConfigError, check_int, check_num, validate_common
+  from flexfloor_jax.tokenizer import ByteTokenizer
+  s = config.sft
+  try:
+    validate_common(config)
+    runner.validate_config(config)
+    for name in ("sft.steps", "sft.batch_size", "sft.num_prompts", "sft.eval_every",
+                 "rl.num_prompts", "rl.task_size"):
+      check_int(config, name)
+    check_int(config, "sft.seed", 0)
+    check_int(config, "rl.prompt_seed", 0)
+    check_num(config, "sft.lr")
+    check_num(config, "sft.weight_decay")
+    if s.batch_size > s.num_prompts:  # batches are drawn without replacement from the pool
+      raise ConfigError(f"sft.batch_size={s.batch_size} exceeds the pool of "
+                        f"sft.num_prompts={s.num_prompts} examples")
+    if not isinstance(s.output_dir, str) or not s.output_dir:
+      raise ConfigError(f"sft.output_dir must be a non-empty path, got {s.output_dir!r}")
+    tasks_lib.load_reward_fn(config.rl.reward_fn)
+    # The evaluation rollout's prompts, checked as the runner will check them after training.
+    tok = ByteTokenizer()
+    r = config.rollout
+    for row in tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts,
+                                      config.rl.prompt_seed, config.rl.task_size):
+      n = len(tok.encode(row["prompt"], add_bos=True))
+      if n > r.max_prompt_len or n + r.max_new_tokens > config.model.max_seq_len:
+        raise ConfigError(f"rl.task_size={config.rl.task_size}: evaluation prompt {row['id']!r} "
+                          f"has {n} tokens; it needs rollout.max_prompt_len >= {n} and "
+                          f"model.max_seq_len >= {n} + rollout.max_new_tokens")
+  except (ConfigError, runner.RolloutError, ValueError) as e:
+    raise SFTError(str(e)) from None
+
+
 def sft(config, *, progress: bool = False) -> dict:
+  validate(config)  # before the heavy imports
   import jax
   import jax.numpy as jnp
   import optax
@@ -79,6 +121,9 @@ def sft(config, *, progress: bool = False) -> dict:
     params, opt_state, loss = step(params, opt_state, jnp.asarray(toks[idx]),
                                    jnp.asarray(mask[idx]))
     losses.append(float(loss))
+    if not np.isfinite(losses[-1]):  # diverged: the weights are garbage, never save them
+      raise SFTError(f"sft step {i}: the loss is {losses[-1]}; no checkpoint written (lower "
+                     f"sft.lr={s.lr})")
     if progress and (i % 25 == 0 or i == s.steps - 1):
       print(f"sft step {i}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)", flush=True)
   train_s = time.perf_counter() - t0
@@ -110,9 +155,13 @@ def main(argv):
   del argv
   from flexfloor_jax.rl import cli as rl_cli
   config = rl_cli.config_value()
-  from flexfloor_jax.cli import enable_compilation_cache
-  enable_compilation_cache()
-  out = sft(config, progress=True)
+  from flexfloor_jax.cli import enable_compilation_cache, fail
+  try:
+    validate(config)
+    enable_compilation_cache()
+    out = sft(config, progress=True)
+  except SFTError as e:
+    fail(str(e))
   print(f"sft: loss {out['first_loss']:.3f} -> {out['final_loss']:.3f} in "
         f"{out['train_seconds']:.0f}s; reward {out['eval/score/mean']:.3f} (exact "
         f"{out['eval/exact_match']:.3f}); checkpoint {out['checkpoint']}")

@@ -7,16 +7,23 @@ clipped PG + optional KL (k3) + MoE aux loss -> grad clip + AdamW -> weight sync
 replicated for the next rollout, timed as timing_s/update_weights).
 
 Checkpoints: <output_dir>/checkpoints/step_<k>/ holds state/ (orbax: params, opt_state) and
-meta.json (step, sampling seed, length history), written last: a checkpoint without meta.json is
-incomplete and ignored. A restart resumes from the newest complete one; its length history wins
-over <output_dir>/history.json, and metrics.jsonl rows after it are dropped.
+meta.json (step, sampling seed, length history, the size of every file under state/), written
+last: a checkpoint without meta.json is incomplete. A restart resumes from the newest checkpoint
+that is complete and verified (meta.json readable, every state file present at its recorded size,
+orbax restores it, every value finite); newer damaged or incomplete ones are skipped with a
+warning naming them, and entries that are not step_<k> directories are ignored. Its length
+history wins over <output_dir>/history.json, and metrics.jsonl rows after it are dropped. After
+each save only the newest `keep_checkpoints` complete checkpoints are kept (0 = all).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import math
 import os
+import re
 import shutil
 import time
 from typing import Optional
@@ -27,8 +34,8 @@ from flexfloor_jax.policy import scheduler
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.rl import tasks as tasks_lib
-from flexfloor_jax.rl.loss import group_advantages
-from flexfloor_jax.rl.reuse import sequence_row
+
+log = logging.getLogger(__name__)
 
 # Metrics that must be bitwise equal between an interrupted-and-resumed run and a straight one.
 DETERMINISTIC_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min",
@@ -48,17 +55,40 @@ def _ckpt_root(config) -> str:
   return os.path.join(config.output_dir, "checkpoints")
 
 
-def latest_checkpoint(config) -> Optional[tuple[int, str]]:
+_STEP_DIR = re.compile(r"step_(\d+)")
+META = "meta.json"
+
+
+def checkpoint_dirs(config) -> list[tuple[int, str]]:
+  """(step, path) of every step_<k> directory, newest first. Anything else in checkpoints/ (a
+  user's step_6.bak copy, a stray file) is not a checkpoint and is ignored."""
   root = _ckpt_root(config)
   if not os.path.isdir(root):
-    return None
-  best = None
+    return []
+  out = []
   for name in os.listdir(root):
-    if name.startswith("step_") and os.path.isfile(os.path.join(root, name, "meta.json")):
-      k = int(name[5:])
-      if best is None or k > best[0]:
-        best = (k, os.path.join(root, name))
-  return best
+    m = _STEP_DIR.fullmatch(name)
+    if m and os.path.isdir(os.path.join(root, name)):
+      out.append((int(m.group(1)), os.path.join(root, name)))
+  return sorted(out, reverse=True)
+
+
+def latest_checkpoint(config) -> Optional[tuple[int, str]]:
+  """The newest complete checkpoint (meta.json written), not verified (see train's resume)."""
+  for k, path in checkpoint_dirs(config):
+    if os.path.isfile(os.path.join(path, META)):
+      return k, path
+  return None
+
+
+def _state_files(state_dir: str) -> dict[str, int]:
+  """Relative path -> size of every file orbax wrote."""
+  out = {}
+  for d, _, names in os.walk(state_dir):
+    for n in names:
+      f = os.path.join(d, n)
+      out[os.path.relpath(f, state_dir)] = os.path.getsize(f)
+  return out
 
 
 def save_checkpoint(config, step: int, params, opt_state, history) -> str:
@@ -72,22 +102,123 @@ def save_checkpoint(config, step: int, params, opt_state, history) -> str:
   ck.wait_until_finished()
   ck.close()
   meta = {"step": step, "sampling_seed": int(config.sampling.seed),
-          "history": {p: {str(e): v for e, v in d.items()} for p, d in history.data.items()}}
-  atomic_write(os.path.join(path, "meta.json"), json.dumps(meta), durable=True)
+          "history": {p: {str(e): v for e, v in d.items()} for p, d in history.data.items()},
+          "model": history.model,
+          # Sizes let a restart tell a truncated or deleted data file before orbax reads it.
+          "files": _state_files(os.path.join(path, "state"))}
+  atomic_write(os.path.join(path, META), json.dumps(meta), durable=True)
   return path
 
 
-def load_checkpoint(path: str, params_abs, opt_abs):
+class DamagedCheckpoint(Exception):
+  """A checkpoint that cannot be resumed from; the message says why, in one line."""
+
+
+def read_meta(path: str, step: int) -> dict:
+  """meta.json of step_<step>, and its recorded state files present at their sizes."""
+  f = os.path.join(path, META)
+  try:
+    with open(f) as fh:
+      meta = json.load(fh)
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise DamagedCheckpoint(f"{f} is unreadable ({e})") from None
+  if not isinstance(meta, dict) or meta.get("step") != step or not isinstance(
+      meta.get("history"), dict):
+    raise DamagedCheckpoint(f"{f} does not describe step {step} (fields step, history)")
+  for rel, size in (meta.get("files") or {}).items():
+    g = os.path.join(path, "state", rel)
+    if not os.path.isfile(g):
+      raise DamagedCheckpoint(f"{g} is missing")
+    if os.path.getsize(g) != size:
+      raise DamagedCheckpoint(f"{g} has {os.path.getsize(g)} bytes, {size} were written")
+  return meta
+
+
+def _first_line(e: BaseException, limit: int = 240) -> str:
+  """tensorstore errors run to kilobytes; the first line says what failed."""
+  text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def nonfinite_leaf(tree) -> Optional[str]:
+  """The path of the first array in `tree` holding a NaN or an infinity, else None."""
+  import jax
+  import jax.numpy as jnp
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  flags = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
+           for _, x in leaves]
+  for (kp, _), ok in zip(leaves, jax.device_get(flags)):
+    if not ok:
+      return jax.tree_util.keystr(kp)
+  return None
+
+
+def load_checkpoint(path: str, params_abs, opt_abs, step: Optional[int] = None):
+  """(params, opt_state, meta) of a verified checkpoint; DamagedCheckpoint otherwise."""
   import orbax.checkpoint as ocp
+  if step is None:
+    step = int(os.path.basename(os.path.normpath(path))[len("step_"):])
+  meta = read_meta(path, step)
   ck = ocp.StandardCheckpointer()
   try:
     state = ck.restore(os.path.join(os.path.abspath(path), "state"),
                        {"params": params_abs, "opt_state": opt_abs})
+  except Exception as e:  # tensorstore / orbax: any failure to read the state is damage here
+    raise DamagedCheckpoint(f"{path}/state cannot be restored: {_first_line(e)}") from None
   finally:
     ck.close()
-  with open(os.path.join(path, "meta.json")) as f:
-    meta = json.load(f)
+  bad = nonfinite_leaf(state)
+  if bad is not None:
+    raise DamagedCheckpoint(f"{path}/state: tensor {bad} holds NaN or infinite values")
   return state["params"], state["opt_state"], meta
+
+
+def prune_checkpoints(config, newest: int) -> list[str]:
+  """After saving step `newest`: keep the newest `keep_checkpoints` complete checkpoints up to it
+  and remove older ones (and older incomplete ones: interrupted saves). Newer leftovers (damaged
+  ones skipped on resume) stay until this run overwrites them. Returns the removed paths."""
+  keep = int(config.keep_checkpoints)
+  if keep <= 0:
+    return []
+  dirs = [(k, p) for k, p in checkpoint_dirs(config) if k <= newest]
+  complete = [k for k, p in dirs if os.path.isfile(os.path.join(p, META))]
+  if newest not in complete:
+    return []
+  kept = set(complete[:keep])
+  removed = []
+  for k, p in dirs:
+    if k not in kept and k < newest:
+      shutil.rmtree(p, ignore_errors=True)
+      removed.append(p)
+  return removed
+
+
+def resume_state(config, params_abs, opt_abs, model_id: str, max_new_tokens: int):
+  """(step, params, opt_state, history) of the newest verified checkpoint, skipping damaged and
+  incomplete ones with a warning each; None when there is no checkpoint at all. TrainError when
+  checkpoints exist but none can be used (starting over would discard them: the user decides)."""
+  tried = []
+  for k, path in checkpoint_dirs(config):
+    if not os.path.isfile(os.path.join(path, META)):
+      log.warning("checkpoint %s is incomplete (no %s: its save was interrupted); skipped",
+                  path, META)
+      continue
+    try:
+      params, opt_state, meta = load_checkpoint(path, params_abs, opt_abs, k)
+      history = scheduler.LengthHistory.from_table(
+          meta["history"], os.path.join(path, META), max_new_tokens=max_new_tokens,
+          model=model_id)
+    except (DamagedCheckpoint, scheduler.HistoryError) as e:
+      log.warning("checkpoint %s is damaged, skipped: %s", path, e)
+      tried.append(f"{path} ({e})")
+      continue
+    if tried:
+      log.warning("resuming from %s, the newest usable checkpoint", path)
+    return k, params, opt_state, history
+  if tried:
+    raise TrainError(f"no usable checkpoint in {_ckpt_root(config)}: " + "; ".join(tried) +
+                     ". Move them away to start over")
+  return None
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -110,7 +241,7 @@ def _read_metrics(path: str) -> list[dict]:
 
 def _append_metrics(path: str, row: dict) -> None:
   with open(path, "a") as f:
-    f.write(json.dumps(jsonable(row)) + "\n")
+    f.write(json.dumps(jsonable(row, nonfinite_to_none=True), allow_nan=False) + "\n")
     f.flush()
     os.fsync(f.fileno())
 
@@ -149,6 +280,10 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
   """Right-padded [B', T] arrays (B' = B rounded up to the workers; padding rows are masked);
   with recorded routes also route [B', T, L, K] (positions never fed keep expert ids 0..K-1:
   their outputs reach no log-prob)."""
+  # Imported here: both modules import jax, which must not start before the CLI has set the
+  # emulated device count and checked the config.
+  from flexfloor_jax.rl.loss import group_advantages
+  from flexfloor_jax.rl.reuse import sequence_row
   b = len(responses)
   bp = -(-b // num_workers) * num_workers
   toks = np.zeros((bp, t_max), np.int32)
@@ -176,9 +311,51 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
 # ----------------------------------------------------------------------------- the loop
 
 
+def validate(config) -> None:
+  """Every field the loop reads, before any heavy import; TrainError names the field."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.cli import ConfigError, check_int, check_num, validate_common
+  try:
+    validate_common(config)
+    runner.validate_config(config)
+    for name in ("steps", "checkpoint_every", "rl.num_prompts", "rl.task_size",
+                 "rl.updates_per_step", "rl.tile_m"):
+      check_int(config, name)
+    check_int(config, "keep_checkpoints", 0)
+    check_int(config, "rl.prompt_seed", 0)
+    check_num(config, "rl.lr")  # 0: a no-learning control run (tests/test_rl_grpo.py)
+    check_num(config, "rl.grad_clip", 0, lo_open=True)
+    check_num(config, "rl.clip_eps", 0, lo_open=True)
+    for name in ("rl.weight_decay", "rl.kl_beta", "rl.aux_coef"):
+      check_num(config, name)
+    for name in ("rl.b1", "rl.b2"):
+      check_num(config, name, 0, 1, hi_open=True)
+    if not isinstance(config.output_dir, str) or not config.output_dir:
+      raise ConfigError(f"output_dir must be a non-empty path, got {config.output_dir!r}")
+    tasks_lib.parse_tasks(config.rl.tasks)
+  except (ConfigError, runner.RolloutError, ValueError) as e:
+    raise TrainError(str(e)) from None
+  if config.rollout.lengths != "model":
+    raise TrainError(f"rollout.lengths must be 'model' for RL (responses end at EOS), got "
+                     f"{config.rollout.lengths!r}")
+
+
+def _check_finite(name: str, values, resp, step: int) -> None:
+  """values[i]: response i's numbers (a scalar or an array). A NaN or infinite reward or
+  log-prob would train on garbage (and the loss would turn NaN a step later, far from its
+  cause): stop at the first one, naming the response."""
+  bad = np.flatnonzero([not np.all(np.isfinite(np.asarray(v, float))) for v in values])
+  if bad.size:
+    r = resp[bad[0]]
+    raise TrainError(f"step {step}: {name} of prompt {r['prompt_id']!r} sample {r['sample']} is "
+                     f"not finite ({bad.size} response(s) in all); nothing of this step was "
+                     "trained on or saved")
+
+
 def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -> list[dict]:
   """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
   `stop_after`: return after that step (tests: an in-process interruption)."""
+  validate(config)  # before the heavy imports: a bad field fails in well under a second
   import jax
   import optax
 
@@ -187,14 +364,10 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
   from flexfloor_jax import engine as engine_lib
   from flexfloor_jax.model import checkpoint as ckpt
   from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.model.config import PRESETS, model_identity
   from flexfloor_jax.rl import actor as actor_lib
   from flexfloor_jax.tokenizer import load_tokenizer
 
-  runner.validate_config(config)
-  if config.rollout.lengths != "model":
-    raise TrainError(f"rollout.lengths must be 'model' for RL (responses end at EOS), got "
-                     f"{config.rollout.lengths!r}")
   out = config.output_dir
   os.makedirs(out, exist_ok=True)
   reward_fn = tasks_lib.load_reward_fn(config.rl.reward_fn)
@@ -215,6 +388,7 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
                              scale=config.model.init_scale)
   model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  model_id = model_identity(model_cfg)
   params = jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
   tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
   prompt_tokens = {r["id"]: tokenizer.encode(r["prompt"], add_bos=True) for r in rows}
@@ -245,19 +419,22 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
   # -- resume
   history_path = config.scheduler.history_path or os.path.join(out, "history.json")
   metrics_path = os.path.join(out, "metrics.jsonl")
+  max_new = config.rollout.max_new_tokens
   start = 0
-  last = latest_checkpoint(config)
-  if last is not None:
-    abs_of = lambda t: jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-    params, opt_state, meta = load_checkpoint(last[1], abs_of(params), abs_of(opt_state))
-    start = int(meta["step"])
-    history = scheduler.LengthHistory(meta["history"])  # the checkpoint's copy wins
+  abs_of = lambda t: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+  resumed = resume_state(config, abs_of(params), abs_of(opt_state), model_id, max_new)
+  if resumed is not None:
+    start, params, opt_state, history = resumed  # the checkpoint's history wins
     history.save(history_path)
     kept = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
     atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
   else:
-    history = scheduler.LengthHistory.load(history_path)
+    try:
+      history = scheduler.LengthHistory.load(history_path, max_new_tokens=max_new,
+                                             model=model_id)
+    except scheduler.HistoryError as e:
+      raise TrainError(f"scheduler.history_path: {e}") from None
     if os.path.exists(metrics_path):
       os.unlink(metrics_path)
 
@@ -292,6 +469,8 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     history.save(history_path)
     resp = res.responses
     rewards = np.array([float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in resp])
+    _check_finite("the reward", rewards, resp, step)
+    _check_finite("a rollout log-prob", [r["logprobs"] for r in resp], resp, step)
     lens = np.array([r["num_tokens"] for r in resp], float)
     batch, roll_lp = build_batch(resp, prompt_tokens, rewards, g, t_max, n)
 
@@ -310,6 +489,11 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     ref_lp = (act.logprobs(ref_params, batch["tokens"], batch["valid"], batch.get("route"))
               if ref_params is not None else old_lp)
     t_lp = time.perf_counter() - t0
+    _check_finite("an old log-prob (training forward)",
+                  np.where(batch["mask"], old_lp, 0.0)[:len(resp)], resp, step)
+    if ref_params is not None:
+      _check_finite("a reference log-prob", np.where(batch["mask"], ref_lp, 0.0)[:len(resp)],
+                    resp, step)
     diff = np.abs(old_lp - roll_lp)[batch["mask"]]
     batch["old_logp"], batch["ref_logp"] = old_lp, ref_lp
     num_tokens = float(batch["mask"].sum())
@@ -318,6 +502,12 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     for _ in range(rl.updates_per_step):
       params, opt_state, m = act.update(params, opt_state, batch, num_tokens)
     m = {k: float(v) for k, v in jax.device_get(m).items()}
+    bad = sorted(k for k in ("loss", "pg_loss", "kl", "grad_norm", "aux_loss")
+                 if not math.isfinite(m[k]))
+    if bad:  # the weights are garbage now: never checkpoint or roll out with them
+      raise TrainError(f"step {step}: the update gave a non-finite {', '.join(bad)} "
+                       f"({', '.join(f'{k}={m[k]}' for k in bad)}); nothing of this step was "
+                       "saved (lower rl.lr or rl.grad_clip and resume)")
     t_upd = time.perf_counter() - t0
     t0 = time.perf_counter()
     rollout_params = jax.block_until_ready(actor_lib.replicate(params, mesh))
@@ -348,6 +538,8 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
            "occupied_device_seconds": s.get("occupied_device_seconds")}
     if step % config.checkpoint_every == 0 or step == config.steps:
       save_checkpoint(config, step, params, opt_state, history)
+      if jax.process_index() == 0:
+        prune_checkpoints(config, step)
     row["timing_s/step"] = time.perf_counter() - t_step
     _append_metrics(metrics_path, row)
     if progress:
@@ -372,8 +564,9 @@ def main(argv):
   from flexfloor_jax.rl import cli as rl_cli
   config = rl_cli.config_value()
   from flexfloor_jax.cli import enable_compilation_cache, fail
-  enable_compilation_cache()
   try:
+    validate(config)
+    enable_compilation_cache()
     rows = train(config, progress=True)
   except (TrainError, ValueError) as e:
     fail(str(e))
