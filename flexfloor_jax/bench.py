@@ -28,7 +28,6 @@ import sys
 import time
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from flexfloor_jax import cli
 from flexfloor_jax.policy.accounting import jsonable
@@ -429,7 +428,7 @@ def write_outputs(doc, timelines, records, out_dir: str) -> None:
 
 # ----------------------------------------------------------------------------- CLI
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/bench.py", "Benchmark config file.")
+_CONFIG = cli.define_config("configs/bench.py", "Benchmark config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
 
@@ -437,9 +436,15 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
 def main(argv):
   del argv
   config = _CONFIG.value
-  cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax is imported
+  cli.config_loaded(config)
   from flexfloor_jax import runner
-  from flexfloor_jax.cli import enable_compilation_cache, fail
+  from flexfloor_jax.cli import ConfigError, enable_compilation_cache, fail
+  try:  # every field checked before jax starts, as the rollout CLI does
+    cli.validate_common(config)
+    runner.validate_config(config)
+  except (ConfigError, runner.RolloutError) as e:
+    fail(str(e))
+  cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax is imported
   enable_compilation_cache()
   try:
     doc, timelines, records = run_bench(config)
@@ -453,4 +458,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

@@ -112,10 +112,17 @@ def _cli(tmp_path, *args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_bad_input_is_one_line(tmp_path):
-  r = _cli(tmp_path, "--config.epochs=0", timeout=120)
-  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: epochs"), \
+@pytest.mark.parametrize("arg, field", [
+    ("--config.epochs=0", "epochs"),
+    ("--config.rollout.slots_per_worker=0", "rollout.slots_per_worker"),
+    ("--config.scheduler.step_cost=seconds", "scheduler.step_cost"),
+    ("--config.rollout.slots_per_workr=2", "--config.rollout.slots_per_workr"),  # misspelled
+])
+def test_cli_bad_input_is_one_line(tmp_path, arg, field):
+  r = _cli(tmp_path, arg, timeout=120)
+  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: {field}"), \
       r.stderr[-2000:]
+  assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
