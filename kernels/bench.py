@@ -1,6 +1,7 @@
 """CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows.
 
   python -m kernels.bench [--tile_m 128 256] [--runs 30]
+  python -m kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 128   # GPU
 
 The grouped matmul does the same flops as the dense matmul plus its tile padding, so the ratio shows
 the cost of fixed-shape tiles and the per-tile loop. Dense and grouped calls are timed interleaved
@@ -54,20 +55,22 @@ def _time_pair(f_a, args_a, f_b, args_b, runs: int):
   return float(np.median(t_a)), float(np.median(t_b)), float(np.median(t_b / t_a))
 
 
-def run(tile_ms=(DEFAULT_TILE_M,), runs: int = 30, dtype=jnp.float32) -> list[dict]:
+def run(tile_ms=(DEFAULT_TILE_M,), runs: int = 30, dtype=jnp.float32, impl: str = "xla",
+        k_dim: int = K_DIM, n_dim: int = N_DIM) -> list[dict]:
   key_x, key_w = jax.random.split(jax.random.key(0))
-  x_RK = jax.random.normal(key_x, (NUM_ROWS, K_DIM), dtype)
-  rhs_GKN = jax.random.normal(key_w, (NUM_GROUPS, K_DIM, N_DIM), dtype)
+  x_RK = jax.random.normal(key_x, (NUM_ROWS, k_dim), dtype)
+  rhs_GKN = jax.random.normal(key_w, (NUM_GROUPS, k_dim, n_dim), dtype)
   dense = jax.jit(lambda x, w: jnp.dot(x, w))
   results = []
   for tile_m in tile_ms:
     rows = padded_rows(NUM_ROWS, NUM_GROUPS, tile_m)
-    gmm = jax.jit(lambda l, r, tg, u, tm=tile_m: grouped_matmul(l, r, tg, u, tile_m=tm))
+    gmm = jax.jit(lambda l, r, tg, u, tm=tile_m: grouped_matmul(l, r, tg, u, tile_m=tm,
+                                                                impl=impl))
     for name, sizes in CASES.items():
       assert sum(sizes) == NUM_ROWS, (name, sizes)
       group_ids = jnp.asarray(np.repeat(np.arange(NUM_GROUPS), sizes), jnp.int32)
       plan = make_plan(group_ids, NUM_GROUPS, tile_m, rows)
-      lhs = jnp.zeros((rows, K_DIM), dtype).at[plan.row_dst].set(x_RK)  # padded layout
+      lhs = jnp.zeros((rows, k_dim), dtype).at[plan.row_dst].set(x_RK)  # padded layout
       t_dense, t_gmm, ratio = _time_pair(
           dense, (x_RK, rhs_GKN[0]), gmm, (lhs, rhs_GKN, plan.tile_group, plan.num_tiles_used), runs
       )
@@ -82,11 +85,16 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--tile_m", type=int, nargs="+", default=[DEFAULT_TILE_M])
   p.add_argument("--runs", type=int, default=30)
+  p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  p.add_argument("--impl", default="xla", choices=["xla", "pallas"],
+                 help="pallas: the Mosaic GPU / TPU kernel where the shape allows it")
+  p.add_argument("--k", type=int, default=K_DIM)
+  p.add_argument("--n", type=int, default=N_DIM)
   args = p.parse_args(argv)
-  print(f"{jax.devices()[0].platform}: {NUM_ROWS} rows x [{K_DIM}x{N_DIM}], {NUM_GROUPS} groups, "
-        f"median of {args.runs} interleaved runs")
+  print(f"{jax.devices()[0].platform}: {NUM_ROWS} rows x [{args.k}x{args.n}] {args.dtype}, "
+        f"{NUM_GROUPS} groups, impl={args.impl}, median of {args.runs} interleaved runs")
   print(f"{'case':<16}{'tile_m':>7}{'tiles':>7}{'dense ms':>10}{'gmm ms':>9}{'ratio':>7}")
-  for r in run(tuple(args.tile_m), args.runs):
+  for r in run(tuple(args.tile_m), args.runs, jnp.dtype(args.dtype), args.impl, args.k, args.n):
     print(f"{r['case']:<16}{r['tile_m']:>7}{r['tiles_used']:>7}{r['dense_ms']:>10.2f}"
           f"{r['gmm_ms']:>9.2f}{r['ratio']:>7.2f}")
 

@@ -1,0 +1,183 @@
+"""The compiled Mosaic GPU grouped matmul (kernels/grouped_matmul.py `_gmm_mgpu`, Hopper wgmma) on a
+real GPU: equal to the XLA path and to a float64 reference, zeros in unused tiles, gradients,
+bitwise batch invariance, and the EP MoE layer with backend='pallas'. Skipped without a GPU (CI);
+`scripts/device_check.sh` runs it on a lent one. tests/test_kernels.py checks the same kernels in
+interpret mode and their lowering for cuda from a CPU machine."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.dispatch_plan import make_plan, padded_rows
+from kernels.grouped_matmul import grouped_matmul
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
+                                reason="needs a GPU (compiled Mosaic GPU kernel)")
+
+_gmm = jax.jit(grouped_matmul, static_argnames=("tile_m", "impl", "interpret",
+                                                "preferred_element_type", "transpose_rhs"))
+
+
+def _inputs(seed, rows, groups, tile_m, k, n, transpose_rhs=False, p_skip=0.15):
+  """Padded-layout bf16 inputs from random group ids (some empty groups, some rows undispatched)."""
+  rng = np.random.default_rng(seed)
+  probs = rng.dirichlet(np.ones(groups))
+  probs[rng.choice(groups, 2, replace=False)] = 0.0  # two empty groups
+  probs /= probs.sum()
+  ids = rng.choice(groups, rows, p=probs)
+  ids[rng.random(rows) < p_skip] = -1
+  plan = make_plan(jnp.asarray(ids, jnp.int32), groups, tile_m, padded_rows(rows, groups, tile_m))
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  lhs = jnp.zeros((plan.row_src.shape[0], k), jnp.bfloat16).at[plan.row_dst].set(
+      jnp.asarray(x, jnp.bfloat16), mode="drop")
+  shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+  rhs = jnp.asarray(rng.standard_normal(shape) / np.sqrt(k), jnp.bfloat16)
+  return plan, lhs, rhs
+
+
+def _reference(lhs, rhs, tile_group, used, tile_m, transpose_rhs):
+  l64 = np.asarray(lhs.astype(jnp.float32), np.float64)
+  r64 = np.asarray(rhs.astype(jnp.float32), np.float64)
+  out = np.zeros((l64.shape[0], r64.shape[1] if transpose_rhs else r64.shape[2]))
+  for i in range(int(used)):
+    w = r64[int(tile_group[i])]
+    out[i * tile_m:(i + 1) * tile_m] = l64[i * tile_m:(i + 1) * tile_m] @ (w.T if transpose_rhs
+                                                                           else w)
+  return out
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("tile_m", [64, 128, 256])
+def test_mosaic_gpu_gmm_equals_xla_and_float64(tile_m, transpose_rhs):
+  k, n = 512, 768
+  plan, lhs, rhs = _inputs(tile_m + transpose_rhs, 1000, 8, tile_m, k, n, transpose_rhs)
+  args = (lhs, rhs, plan.tile_group, plan.num_tiles_used)
+  kw = dict(tile_m=tile_m, transpose_rhs=transpose_rhs, preferred_element_type=jnp.float32)
+  hlo = _gmm.lower(*args, **kw, impl="pallas").as_text()
+  assert "mosaic_gpu" in hlo, "the Pallas path fell back to XLA: not the Mosaic GPU kernel"
+  out_p = np.asarray(_gmm(*args, **kw, impl="pallas"))
+  out_x = np.asarray(_gmm(*args, **kw, impl="xla"))
+  assert np.isfinite(out_p).all()
+  used = int(plan.num_tiles_used) * tile_m
+  assert 0 < used < out_p.shape[0]  # some unused tiles
+  assert not out_p[used:].any(), "unused tiles must be zero"
+  ref = _reference(lhs, rhs, plan.tile_group, plan.num_tiles_used, tile_m, transpose_rhs)
+  # bf16 operands, fp32 accumulation: both paths within accumulation-order rounding of float64
+  assert _rel(out_p, ref) <= 1e-5, _rel(out_p, ref)
+  assert _rel(out_x, ref) <= 1e-3, _rel(out_x, ref)
+  assert _rel(out_p, out_x) <= 1e-3, _rel(out_p, out_x)
+
+
+def test_mosaic_gpu_gmm_bf16_output_and_gradients():
+  """bf16 output (forward) and the gradients (d_lhs: the same kernel on transposed weights, bf16
+  output; d_rhs: the XLA tgmm), each path against float64: a bf16 result is within its rounding
+  (relative norm ~2e-3) of the exact one."""
+  # d_lhs contracts over N: N=512 (8 K-steps of 64), clear of the race below
+  tile_m, k, n = 128, 256, 512
+  plan, lhs, rhs = _inputs(7, 600, 4, tile_m, k, n)
+  tg, used = plan.tile_group, plan.num_tiles_used
+  ref = _reference(lhs, rhs, tg, used, tile_m, False)
+  for impl in ("pallas", "xla"):
+    out = _gmm(lhs, rhs, tg, used, tile_m=tile_m, impl=impl)
+    assert out.dtype == jnp.bfloat16
+    assert _rel(np.asarray(out.astype(jnp.float32)), ref) <= 5e-3, (impl, "out")
+  ct = jax.random.normal(jax.random.key(8), ref.shape, jnp.float32)
+  d_out = ct.astype(jnp.bfloat16)  # the cotangent enters in the operand precision
+  ref_dl = _reference(d_out, jnp.swapaxes(rhs, 1, 2), tg, used, tile_m, False)
+  errs = {}
+  for impl in ("pallas", "xla"):
+    loss = lambda l, r: jnp.sum(grouped_matmul(l, r, tg, used, tile_m=tile_m, impl=impl)
+                                .astype(jnp.float32) * ct)
+    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    errs[impl] = _rel(np.asarray(d_lhs.astype(jnp.float32)), ref_dl)
+    # d_rhs: both paths use the XLA tgmm
+    assert np.abs(np.asarray(d_rhs.astype(jnp.float32))).max() > 0
+  assert max(errs.values()) <= 5e-3, errs
+
+
+def test_mosaic_gpu_gmm_batch_invariance_bitwise():
+  """A row's output is bitwise the same whatever else is in the batch and wherever its tile is."""
+  tile_m, k, n, groups, rows = 128, 256, 256, 4, 3 * 128
+  rng = np.random.default_rng(9)
+  rhs = jnp.asarray(rng.standard_normal((groups, k, n)) / 16, jnp.bfloat16)
+  x = rng.standard_normal((rows, k)).astype(np.float32)
+  row = 5
+  outs = []
+  for trial in range(3):
+    ids = rng.choice([-1, 0, 2, 3], size=rows, p=[0.1, 0.2 * trial, 0.4, 0.5 - 0.2 * trial])
+    ids[rng.random(rows) < 0.3] = 1
+    ids[row] = 1
+    x2 = rng.standard_normal((rows, k)).astype(np.float32)
+    x2[row] = x[row]
+    plan = make_plan(jnp.asarray(ids, jnp.int32), groups, tile_m,
+                     padded_rows(rows, groups, tile_m))
+    lhs = jnp.zeros((plan.row_src.shape[0], k), jnp.bfloat16).at[plan.row_dst].set(
+        jnp.asarray(x2, jnp.bfloat16), mode="drop")
+    out = _gmm(lhs, rhs, plan.tile_group, plan.num_tiles_used, tile_m=tile_m, impl="pallas",
+               preferred_element_type=jnp.float32)
+    outs.append(np.asarray(out)[int(plan.row_dst[row])])
+  for o in outs[1:]:
+    assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32))
+
+
+def test_ep_moe_pallas_backend_equals_xla_on_one_gpu():
+  """The EP MoE layer (one worker, 8 expert slots) with backend='pallas' (Mosaic GPU grouped
+  matmuls) against backend='xla', bf16, tile_m=64."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from flexfloor_jax import mesh as mesh_lib
+  from flexfloor_jax.model.moe import EPConfig, ep_moe
+
+  d, f, e, k, t = 256, 512, 8, 2, 96
+  keys = jax.random.split(jax.random.key(11), 5)
+  x = jax.random.normal(keys[0], (t, d), jnp.bfloat16)
+  router = jax.random.normal(keys[1], (d, e), jnp.bfloat16)
+  w1 = (jax.random.normal(keys[2], (e, d, f)) / 16).astype(jnp.bfloat16)
+  w3 = (jax.random.normal(keys[3], (e, d, f)) / 16).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(keys[4], (e, f, d)) / 22).astype(jnp.bfloat16)
+  mesh = mesh_lib.make_ep_mesh(jax.devices()[:1])
+  e2s = jnp.arange(e, dtype=jnp.int32)
+  ep_ax = mesh_lib.EP_AXIS
+
+  def run(backend):
+    ep = EPConfig(num_workers=1, slots_per_worker=e, top_k=k, tile_m=64, chunk_tokens=t,
+                  backend=backend)
+
+    def local(x, router, w1, w3, w2):
+      lp = {"router": router, "w1": w1, "w3": w3, "w2": w2}
+      return ep_moe(x, lp, jnp.ones(x.shape[0], bool), e2s, ep, e)[0]
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(ep_ax), P()) + (P(ep_ax),) * 3,
+                               out_specs=P(ep_ax), check_vma=False))
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    return np.asarray(fn(put(x, P(ep_ax)), put(router, P()), put(w1, P(ep_ax)),
+                         put(w3, P(ep_ax)), put(w2, P(ep_ax))).astype(jnp.float32))
+
+  yp, yx = run("pallas"), run("xla")
+  assert np.isfinite(yp).all() and np.abs(yx).max() > 0
+  assert _rel(yp, yx) <= 2e-2, _rel(yp, yx)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "race in _gmm_mgpu: with block_m=128 and K/64 = 5 or 6 pipeline steps (3 in flight) some rows "
+    "come out wrong (2-6% of a tile's norm) and differ from run to run; seen on an H200, "
+    "jax 0.11.2, 2026-12-04 (scripts/probe_mgpu_bf16.py). K/64 in {3, 4, 7, 8, 9, 10, 12, 16, "
+    "64, 224} and every K at tile_m=64 were right and repeatable"))
+@pytest.mark.parametrize("k", [320, 384])
+def test_mosaic_gpu_gmm_k_steps_5_6_tile_128(k):
+  tile_m, n = 128, 256
+  plan, lhs, rhs = _inputs(k, 600, 4, tile_m, k, n, p_skip=0.1)
+  args = (lhs, rhs, plan.tile_group, plan.num_tiles_used)
+  kw = dict(tile_m=tile_m, preferred_element_type=jnp.float32, impl="pallas")
+  ref = _reference(*args, tile_m, False)
+  outs = [np.asarray(_gmm(*args, **kw)) for _ in range(3)]
+  for o in outs:
+    assert _rel(o, ref) <= 1e-5, _rel(o, ref)
