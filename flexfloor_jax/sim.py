@@ -685,6 +685,9 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
   known = scheduler.LengthHistory()
   known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
+  # across groups the split spends the slack (group_split); inside a group of several, placement
+  # and releases then keep to that group's balanced makespan, or the two slacks would compound
+  inner_slack = makespan_slack if devices == ep else 0.0
   jobs, labels = [], []
   for label in RUNS:
     sched = label.removeprefix("oracle_")
@@ -696,7 +699,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       labels.append(label)
       jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
                    hh, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
-                   makespan_slack, ctx))
+                   inner_slack, ctx))
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
     import concurrent.futures
