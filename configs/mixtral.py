@@ -20,7 +20,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.model.checkpoint = ""  # '' = random init | Hugging Face Mixtral dir | orbax dir
   c.model.dtype = "float32" if preset == "tiny" else "bfloat16"
   c.model.moe_backend = "xla"  # 'xla' (default, fast on CPU) | 'pallas'
-  c.model.max_seq_len = 320 if preset == "tiny" else 4096  # KV cache length: prompt + response
+  # KV cache length (prompt + response); 0 = what the run needs: the longest prompt +
+  # rollout.max_new_tokens, capped by the model's max_position_embeddings
+  c.model.max_seq_len = 0
   c.model.init_seed = 0  # random init only
   c.model.init_scale = 0.1  # std of random init (large enough that logits are not flat)
 
@@ -39,7 +41,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rollout.lengths = "auto"  # 'model' | 'workload' | lengths JSONL; auto: workload w/o checkpoint
   c.rollout.epoch = 0  # workload epoch / RL step (keys sampling, drives length history)
   c.rollout.steps_per_dispatch = 8  # decode steps per device dispatch (host checks in between)
-  c.rollout.wait_compiles = False  # True: compile every mesh size before the first step
+  # Mesh sizes compile in background threads; a release never waits for one (until a size is
+  # ready the group does not shrink to it; summary.json counts the steps that held back).
+  # True: compile every size and mover before the first step (reproducible: benchmarks, tests).
+  c.rollout.wait_compiles = False
+  # True: wait for the sizes the plan expects to reach (every size down to the floor while the
+  # length history is empty), the others compile in the background
+  c.rollout.wait_plan_compiles = True
+  c.rollout.compile_threads = 0  # sizes compiled side by side; 0 = one per core, at most 4
   # True: responses carry "routes", every fed token's top-k experts per layer [pos, L, K]
   # (RL routing replay; also written to responses.jsonl)
   c.rollout.record_routes = False

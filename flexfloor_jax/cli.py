@@ -22,13 +22,22 @@ def load_config(name: str, preset: str = ""):
   return mod.get_config(preset)
 
 
-def enable_compilation_cache() -> None:
-  """JAX's persistent compilation cache: a second run skips most compiles."""
-  import jax
-  path = os.environ.get("FLEXFLOOR_JAX_CACHE",
+def cache_dir() -> str:
+  """The persistent compilation cache's directory: $FLEXFLOOR_JAX_CACHE, else
+  ~/.cache/flexfloor_jax/xla."""
+  return os.environ.get("FLEXFLOOR_JAX_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "flexfloor_jax", "xla"))
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+  """JAX's persistent compilation cache, keeping every executable: a second run compiles
+  nothing. JAX's defaults skip compiles under a second, and a mesh size's movers and warm-up ops
+  each compile in well under that; recompiled on every run, they made a warm start as slow as a
+  cold one for the sizes a release waits for."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path or cache_dir())
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size limit
 
 
 def emulate_cpu_devices(n: int) -> None:
