@@ -414,7 +414,11 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
            step_seconds_measured={str(k): float(np.median(v)) for k, v in by_size.items()},
            max_seq_len=seq_len,
            compile_plan=dict(cplan.to_json(), waited_for=waited, wait_s=wait_s,
-                             compile_threads=eng.steps.compile_threads) if cplan else None,
+                             compile_threads=eng.steps.compile_threads,
+                             # per size: [start, end] of its compile, seconds from setup start
+                             compile_s={str(k): [a - t_setup, z - t_setup]
+                                        for k, a, z in eng.steps.compile_log if a >= t_setup})
+           if cplan else None,
            **held_summary(policy))
   if m["releases_held_for_compile_steps"]:
     logging.getLogger(__name__).warning(
