@@ -31,6 +31,7 @@ COLD_S, WARM_S, TOKENS_TOL = 90.0, 30.0, 0.05
 
 
 def entries(cache: str) -> int:
+  """Entries of JAX's persistent compilation cache."""
   return sum(1 for f in os.listdir(cache) if f.endswith("-cache")) if os.path.isdir(cache) else 0
 
 

@@ -299,7 +299,10 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
   assert len([r for r in s["releases"] if not r["final"]]) >= 3
   assert sizes_over_time(first)[-1] == 1
 
-  events = []  # a compile that finds its executable in the persistent cache is a hit
+  cache = jax.config.jax_compilation_cache_dir
+  count = lambda: len([f for f in os.listdir(cache) if f.endswith("-cache")])
+  before = count()
+  events = []  # a compile request that finds its executable in JAX's cache is a hit
 
   def listen(event, **kw):
     if event in ("/jax/compilation_cache/compile_requests_use_cache",
@@ -314,6 +317,7 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
   requests = events.count("/jax/compilation_cache/compile_requests_use_cache")
   hits = events.count("/jax/compilation_cache/cache_hits")
   assert requests > 0 and hits == requests, f"{requests - hits} of {requests} compiled again"
+  assert count() == before  # nothing new written: nothing was compiled
   assert second.summary["device_steps"] == s["device_steps"]
 
 
