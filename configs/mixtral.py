@@ -45,8 +45,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # ready the group does not shrink to it; summary.json counts the steps that held back).
   # True: compile every size and mover before the first step (reproducible: benchmarks, tests).
   c.rollout.wait_compiles = False
-  # True: wait for the sizes the plan expects to reach (every size down to the floor while the
-  # length history is empty), the others compile in the background
+  # True: compile, and wait for, only the sizes the plan expects to reach (every size down to
+  # the floor while the length history is empty); a release to another size is held (and
+  # reported). False: every size compiles in the background, none is waited for.
   c.rollout.wait_plan_compiles = True
   c.rollout.compile_threads = 0  # sizes compiled side by side; 0 = one per core, at most 4
   # True: responses carry "routes", every fed token's top-k experts per layer [pos, L, K]

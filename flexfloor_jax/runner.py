@@ -340,9 +340,15 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       seqs, queues, policy, pred_by_seq, num_workers=n, slots_per_worker=b,
       steps_per_dispatch=r.steps_per_dispatch, candidates=sizes, placement=placement,
       chain=chain, has_history=len(history) > 0) if flex else None
+  # wait_plan_compiles (the default): only the sizes the plan expects are compiled, and waited
+  # for; compiling the others in the background slowed generation more than the releases they
+  # allow saved (README, Performance), and a release to them is held and reported instead.
+  plan_only = (bool(cplan) and not r.wait_compiles and bool(r.get("wait_plan_compiles", True))
+               and jax.process_count() == 1)
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
                           epoch=r.epoch, step_cache=step_cache,
-                          prefetch_sizes=cplan.order if cplan else [],
+                          prefetch_sizes=(cplan.expected if plan_only else cplan.order)
+                          if cplan else [],
                           compile_threads=int(r.get("compile_threads", 0)),
                           mover_plan=cplan.movers if cplan else None)
   by_prompt = {p.prompt_id: p for p in prompts}
@@ -354,8 +360,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   # The executables of the smaller meshes compile in background threads. wait_compiles: wait
   # for all of them (reproducible releases: benchmarks, tests). Else wait for the sizes the plan
   # expects to reach (rollout.wait_plan_compiles) or none, and never release onto a mesh whose
-  # executables are not ready yet: a release never waits for a compile, and the steps that
-  # costs are counted and reported.
+  # executables are not ready: a release never waits for a compile, and the steps that costs
+  # are counted and reported.
   multi = jax.process_count() > 1  # multi-controller: every process runs this same loop
   t_wait = time.perf_counter()
   waited: list[int] = []
@@ -363,7 +369,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     eng.steps.wait_all()
     waited = list(sizes)
   elif flex:
-    if r.get("wait_plan_compiles", True):
+    if plan_only:
       waited = list(cplan.expected)
       eng.steps.wait(waited)
     policy = _ReadyFloor(policy, eng.steps, n, sizes)
