@@ -27,6 +27,7 @@ def get_config():
   c.rollout.slots_per_worker = 2
   c.rollout.steps_per_dispatch = 4
   c.rollout.wait_compiles = True
+  c.scheduler.release_sizes = ""  # every size: the release order is what these tests check
   c.model.max_seq_len = 96
   c.sampling.temperature = 1.0
   c.sampling.top_p = 0.9
