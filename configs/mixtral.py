@@ -20,7 +20,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.model.checkpoint = ""  # '' = random init | Hugging Face Mixtral dir | orbax dir
   c.model.dtype = "float32" if preset == "tiny" else "bfloat16"
   c.model.moe_backend = "xla"  # 'xla' (default, fast on CPU) | 'pallas'
-  c.model.max_seq_len = 320 if preset == "tiny" else 4096  # KV cache length: prompt + response
+  # KV cache length (prompt + response); 0 = what the run needs: the longest prompt +
+  # rollout.max_new_tokens, capped by the model's max_position_embeddings
+  c.model.max_seq_len = 0
   c.model.init_seed = 0  # random init only
   c.model.init_scale = 0.1  # std of random init (large enough that logits are not flat)
 
@@ -39,7 +41,15 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rollout.lengths = "auto"  # 'model' | 'workload' | lengths JSONL; auto: workload w/o checkpoint
   c.rollout.epoch = 0  # workload epoch / RL step (keys sampling, drives length history)
   c.rollout.steps_per_dispatch = 8  # decode steps per device dispatch (host checks in between)
-  c.rollout.wait_compiles = False  # True: compile every mesh size before the first step
+  # Mesh sizes compile in background threads; a release never waits for one (until a size is
+  # ready the group does not shrink to it; summary.json counts the steps that held back).
+  # True: compile every size and mover before the first step (reproducible: benchmarks, tests).
+  c.rollout.wait_compiles = False
+  # True: compile, and wait for, only the sizes the plan expects to reach (every size down to
+  # the floor while the length history is empty); a release to another size is held (and
+  # reported). False: every size compiles in the background, none is waited for.
+  c.rollout.wait_plan_compiles = True
+  c.rollout.compile_threads = 0  # sizes compiled side by side; 0 = one per core, at most 4
   # True: responses carry "routes", every fed token's top-k experts per layer [pos, L, K]
   # (RL routing replay; also written to responses.jsonl)
   c.rollout.record_routes = False
@@ -71,7 +81,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.scheduler.placement = "auto"
   # active-group sizes a release may leave, one compiled executable set each: '' = every size
   # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
-  c.scheduler.release_sizes = ""
+  # tiny: 5 sizes (8, 6, 4, 2, 1) instead of 8 keep a first run's compiles short on a 2-core
+  # machine, for 0.4-2.4% fewer tokens per device-step than every size (README, Performance)
+  c.scheduler.release_sizes = "6,4,2" if preset == "tiny" else ""
   # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
   # (placement, and with a step cost model each release), in exchange for less device time
   c.scheduler.makespan_slack = 0.05

@@ -123,7 +123,8 @@ def validate_common(config) -> None:
     extra = (" (JAX computes float64 as float32 unless jax_enable_x64 is set: the run would not "
              "be what was asked)" if m.dtype == "float64" else "")
     raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}{extra}")
-  for name in ("model.max_seq_len", "rollout.max_prompt_len", "rollout.max_new_tokens",
+  check_int(config, "model.max_seq_len", 0)  # 0 = longest prompt + max_new_tokens (the runner)
+  for name in ("rollout.max_prompt_len", "rollout.max_new_tokens",
                "rollout.samples_per_prompt", "rollout.slots_per_worker",
                "rollout.steps_per_dispatch", "rollout.num_prompts"):
     check_int(config, name)
@@ -133,7 +134,7 @@ def validate_common(config) -> None:
   if not _is_num(gb) or gb < 0:
     raise ConfigError(f"mesh.device_memory_gb must be a number >= 0 (0 = the device's own "
                       f"memory), got {gb!r}")
-  if r.max_prompt_len > m.max_seq_len:
+  if m.max_seq_len and r.max_prompt_len > m.max_seq_len:
     raise ConfigError(f"rollout.max_prompt_len={r.max_prompt_len} exceeds model.max_seq_len="
                       f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
                       "cache of max_seq_len)")
@@ -155,13 +156,22 @@ def load_config(name: str, preset: str = ""):
   return mod.get_config(preset)
 
 
-def enable_compilation_cache() -> None:
-  """JAX's persistent compilation cache: a second run skips most compiles."""
-  import jax
-  path = os.environ.get("FLEXFLOOR_JAX_CACHE",
+def cache_dir() -> str:
+  """The persistent compilation cache's directory: $FLEXFLOOR_JAX_CACHE, else
+  ~/.cache/flexfloor_jax/xla."""
+  return os.environ.get("FLEXFLOOR_JAX_CACHE",
                         os.path.join(os.path.expanduser("~"), ".cache", "flexfloor_jax", "xla"))
-  jax.config.update("jax_compilation_cache_dir", path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def enable_compilation_cache(path: str | None = None) -> None:
+  """JAX's persistent compilation cache, keeping every executable: a second run compiles
+  nothing. JAX's defaults skip compiles under a second, and a mesh size's movers and warm-up ops
+  each compile in well under that; recompiled on every run, they made a warm start as slow as a
+  cold one for the sizes a release waits for."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", path or cache_dir())
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size limit
 
 
 def emulate_cpu_devices(n: int) -> None:

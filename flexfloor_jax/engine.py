@@ -390,57 +390,114 @@ class SeqOutput:
   routes: Optional[np.ndarray] = None  # [prompt + tokens - 1, L, K] when spec.record_routes
 
 
+def default_compile_threads() -> int:
+  """Threads that compile mesh sizes side by side: XLA's backend compile releases the GIL and
+  runs mostly on one core, so independent sizes overlap up to the core count (a few more threads
+  would only fight the rollout for the same cores)."""
+  import os
+  return max(1, min(4, os.cpu_count() or 1))
+
+
 class StepCache:
   """Ahead-of-time compiled StepSets, one per mesh of the release chain, compiled in the
-  background at rollout start (and kept across rollouts by JAX's persistent cache)."""
+  background at rollout start (and kept across rollouts by JAX's persistent cache).
+
+  Sizes compile in the order `prefetch` is given them, `compile_threads` at a time. The
+  single-device movers (elastic.SlotMovers, RowMovers) are compiled per device, and only for the
+  devices `plan_movers` names for a size, right after that size's StepSet: a release onto a size
+  needs its own executables first, and the movers only of the devices its moves touch. A move
+  whose devices have no movers yet takes the SPMD extract/insert path of the StepSets instead
+  (compiled with them), so no move ever waits for a compile."""
 
   def __init__(self, spec: EngineSpec, devices: Sequence[jax.Device], chain: Sequence[int],
-               rest_abstract, experts_abstract):
+               rest_abstract, experts_abstract, *, compile_threads: int = 0):
     self.spec, self.devices, self.chain = spec, list(devices), list(chain)
     self._abs = (rest_abstract, experts_abstract)
-    self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    self.compile_threads = int(compile_threads) or default_compile_threads()
+    self._pool = self._new_pool()
     self._futures: dict[int, Any] = {}
     self._sets: dict[int, StepSet] = {}
-    self._movers: Optional[dict] = None
-    self._row_movers: Optional[dict] = None
+    self._slot_movers: dict = {}  # device -> elastic.SlotMovers
+    self._row_movers: dict = {}  # device -> elastic.RowMovers
     self._movers_lock = threading.Lock()
+    # size -> (devices needing slot movers, devices needing row movers) after that size's
+    # StepSet; None: every device of the chain at the first smaller size (no plan given)
+    self._mover_plan: Optional[dict[int, tuple[set, set]]] = None
+    self.compile_log: list[tuple[int, float, float]] = []  # (size, start, end) perf_counter
+
+  def _new_pool(self):
+    return concurrent.futures.ThreadPoolExecutor(max_workers=self.compile_threads,
+                                                 thread_name_prefix="flexfloor-compile")
+
+  def reopen(self):
+    """A fresh compile pool after close() (a cache reused by a later rollout)."""
+    if getattr(self._pool, "_shutdown", False):
+      self._pool = self._new_pool()
 
   def mesh_for(self, n: int) -> Mesh:
     return mesh_lib.make_ep_mesh([self.devices[w] for w in self.chain[len(self.chain) - n:]])
 
+  def plan_movers(self, plan: dict[int, tuple[Sequence[int], Sequence[int]]]):
+    """{size: (workers whose expert slots a release onto `size` moves, workers a migration on
+    the mesh of `size` moves sequences between)}: their single-device movers are compiled right
+    after that size's StepSet. Call before prefetch."""
+    self._mover_plan = {int(m): ({self.devices[w] for w in a}, {self.devices[w] for w in b})
+                        for m, (a, b) in plan.items()}
+
   def _build(self, n: int) -> StepSet:
-    if n < len(self.chain) and jax.process_count() == 1:
-      self.row_movers()  # migrations (compaction) run them on every mesh
-      self.slot_movers()  # a release onto this mesh runs them: ready with its executables
-    return StepSet(self.spec, self.mesh_for(n), *self._abs).compile()
+    t0 = time.perf_counter()
+    ss = StepSet(self.spec, self.mesh_for(n), *self._abs).compile()
+    if jax.process_count() == 1:
+      if self._mover_plan is None:
+        every = set() if n == len(self.chain) else {self.devices[w] for w in self.chain}
+        slot_devs, row_devs = every, every
+      else:
+        slot_devs, row_devs = self._mover_plan.get(n, (set(), set()))
+      self.row_movers(row_devs)
+      self.slot_movers(slot_devs)
+    self.compile_log.append((n, t0, time.perf_counter()))
+    return ss
 
-  def row_movers(self) -> dict:
-    """{device: elastic.RowMovers} over the chain's devices, compiled once."""
+  def _movers(self, table: dict, devices, make) -> dict:
     with self._movers_lock:
-      if self._row_movers is None:
-        cfg, b = self.spec.cfg, self.spec.slots_per_worker
-        kv = jax.ShapeDtypeStruct((cfg.num_layers, b, self.spec.max_seq_len, cfg.num_kv_heads,
-                                   cfg.head_dim), tfm.dtype_of(cfg))
-        shard = {"k": kv, "v": kv, **state_shapes(self.spec, 1)}
-        self._row_movers = {self.devices[w]: elastic.RowMovers(shard, self.devices[w], b)
-                            for w in self.chain}
-      return self._row_movers
-
-  def row_movers_ready(self) -> bool:
-    return self._row_movers is not None
-
-  def slot_movers(self) -> dict:
-    """{device: elastic.SlotMovers} over the chain's devices, compiled once."""
+      todo = [d for d in devices if d not in table]
+    for d in todo:  # compiled outside the lock: another size's thread may build other devices
+      m = make(d)
+      with self._movers_lock:
+        table.setdefault(d, m)
     with self._movers_lock:
-      if self._movers is None:
-        s = self.spec.expert_slots
-        shard = {k: jax.ShapeDtypeStruct((v.shape[0], s) + v.shape[2:], v.dtype)
-                 for k, v in self._abs[1].items()}
-        self._movers = {self.devices[w]: elastic.SlotMovers(shard, self.devices[w], s)
-                        for w in self.chain}
-      return self._movers
+      return dict(table)
+
+  def row_movers(self, devices=None) -> dict:
+    """{device: elastic.RowMovers}, compiled for `devices` (default: the chain's) if missing;
+    returns every device's compiled so far."""
+    cfg, b = self.spec.cfg, self.spec.slots_per_worker
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, b, self.spec.max_seq_len, cfg.num_kv_heads,
+                               cfg.head_dim), tfm.dtype_of(cfg))
+    shard = {"k": kv, "v": kv, **state_shapes(self.spec, 1)}
+    devs = [self.devices[w] for w in self.chain] if devices is None else devices
+    return self._movers(self._row_movers, devs, lambda d: elastic.RowMovers(shard, d, b))
+
+  def slot_movers(self, devices=None) -> dict:
+    """{device: elastic.SlotMovers}, as row_movers."""
+    s = self.spec.expert_slots
+    shard = {k: jax.ShapeDtypeStruct((v.shape[0], s) + v.shape[2:], v.dtype)
+             for k, v in self._abs[1].items()}
+    devs = [self.devices[w] for w in self.chain] if devices is None else devices
+    return self._movers(self._slot_movers, devs, lambda d: elastic.SlotMovers(shard, d, s))
+
+  def row_movers_ready(self, devices=None) -> bool:
+    """Are the single-device sequence movers of `devices` (default: the chain's) compiled?"""
+    devs = [self.devices[w] for w in self.chain] if devices is None else devices
+    with self._movers_lock:
+      return all(d in self._row_movers for d in devs)
+
+  def slot_movers_ready(self, devices) -> bool:
+    with self._movers_lock:
+      return all(d in self._slot_movers for d in devices)
 
   def prefetch(self, sizes: Sequence[int]):
+    """Compile these sizes in this order (first given, first started)."""
     for n in sizes:
       if n not in self._futures and n not in self._sets:
         if jax.process_count() > 1:
@@ -456,6 +513,11 @@ class StepCache:
       self._sets[n] = fut.result() if fut is not None else self._build(n)
     return self._sets[n]
 
+  def wait(self, sizes: Sequence[int]):
+    for n in sizes:
+      if n in self._futures or n not in self._sets:
+        self.get(n)
+
   def wait_all(self):
     for n in list(self._futures):
       self.get(n)
@@ -465,7 +527,7 @@ class StepCache:
     return n in self._sets or (n in self._futures and self._futures[n].done())
 
   def close(self):
-    """Drop compiles not started yet (the one in flight finishes: XLA can't be interrupted)."""
+    """Drop compiles not started yet (those in flight finish: XLA can't be interrupted)."""
     self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -489,17 +551,15 @@ class StepCachePool:
     return (spec, tuple(d.id for d in devices), tuple(chain), str(jax.tree.structure(rest_abs)),
             shapes(rest_abs), shapes(exp_abs))
 
-  def _make(self, spec, devices, chain, rest_abs, exp_abs):
+  def _make(self, spec, devices, chain, rest_abs, exp_abs, **kw):
     key = self._key(spec, devices, chain, rest_abs, exp_abs)
     c = self._caches.get(key)
     if c is None:
       self.misses += 1
-      c = self._caches[key] = self._cls(spec, devices, chain, rest_abs, exp_abs)
+      c = self._caches[key] = self._cls(spec, devices, chain, rest_abs, exp_abs, **kw)
     else:
       self.hits += 1
-      pool = getattr(c, "_pool", None)  # the runner closes caches it did not get passed
-      if pool is not None and getattr(pool, "_shutdown", False):
-        c._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+      c.reopen()  # the runner closes caches it did not get passed
     return c
 
   @contextlib.contextmanager
@@ -518,15 +578,21 @@ class Engine:
   def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[jax.Device],
                chain: Sequence[int], placement: ExpertPlacement, *, seed: int = 0,
                epoch: int = 0, step_cache: Optional[StepCache] = None,
-               prefetch_sizes: Sequence[int] = ()):
+               prefetch_sizes: Sequence[int] = (), compile_threads: int = 0,
+               mover_plan: Optional[dict] = None):
+    """`prefetch_sizes`: the smaller meshes to compile, in the order they should be ready;
+    `mover_plan`: StepCache.plan_movers's argument (None: movers for every device)."""
     self.spec, self.seed, self.epoch = spec, int(seed), int(epoch)
     self.devices, self.chain = list(devices), list(chain)
     rest, experts = split_params(params)
     rest_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
     exp_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), experts)
-    self.steps = step_cache or StepCache(spec, devices, chain, rest_abs, exp_abs)
+    self.steps = step_cache or StepCache(spec, devices, chain, rest_abs, exp_abs,
+                                         compile_threads=compile_threads)
     n = len(self.chain)
     self.active = list(self.chain)
+    if mover_plan is not None:
+      self.steps.plan_movers(mover_plan)
     self.steps.prefetch([n, *[m for m in prefetch_sizes if m != n]])
     ss = self.steps.get(n)
     self.rest = jax.device_put(rest, ss.rest_sharding)
@@ -690,14 +756,16 @@ class Engine:
     self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
     ss, b = self.stepset, self.spec.slots_per_worker
     tree = {"k": self.cache_k, "v": self.cache_v, **self.state}
-    if jax.process_count() == 1 and self.steps.row_movers_ready():
-      dev = self.devices
+    dev = self.devices
+    touched = {dev[w] for sw, _, dw, _ in moves for w in (sw, dw)}
+    if jax.process_count() == 1 and self.steps.row_movers_ready(touched):
       shards = {k: elastic.shards_by_device(a) for k, a in tree.items()}
       nbytes = elastic.move_slots(shards, [(dev[sw], s_, dev[dw], ds)
-                                           for sw, s_, dw, ds in moves], self.steps.row_movers())
+                                           for sw, s_, dw, ds in moves],
+                                  self.steps.row_movers(()))
       tree = {k: elastic.assemble(shards[k], a.sharding, a.shape, a.dtype)
               for k, a in tree.items()}
-    else:  # multi-controller, or the movers are still compiling: SPMD extract/insert rounds
+    else:  # multi-controller, or no movers compiled for these devices: SPMD extract/insert
       rows = [(self._pos(sw), ss_, self._pos(dw), ds) for sw, ss_, dw, ds in moves]
       tree, nbytes = elastic.move_rows(ss, "slots", tree, rows)
     self.cache_k, self.cache_v = tree.pop("k"), tree.pop("v")
@@ -725,14 +793,16 @@ class Engine:
     new_placement = self.placement.after_release(released, new_active)
     # (src worker, src slot, dst worker, dst slot) of every expert that leaves a released worker
     moves = [(*a, *b) for _, a, b in new_placement.moves_since(self.placement)]
-    if jax.process_count() > 1:
+    dev = self.devices
+    touched = {dev[w] for sw, _, dw, _ in moves for w in (sw, dw)}
+    if jax.process_count() > 1 or not self.steps.slot_movers_ready(touched):
+      # multi-controller, or a release the mover plan did not foresee: SPMD extract/insert
       experts, moved_bytes = self._move_experts_routed(moves, new_ss, new_active)
     else:
-      dev = self.devices
       shards = {k: elastic.shards_by_device(a) for k, a in self.experts.items()}
       moved_bytes = elastic.move_slots(shards, [(dev[sw], ss_, dev[dw], ds)
                                                 for sw, ss_, dw, ds in moves],
-                                       self.steps.slot_movers())
+                                       self.steps.slot_movers(()))
       experts = {k: elastic.assemble(shards[k], t.sharding, t.shape, t.dtype)
                  for k, t in new_ss.abstract_experts.items()}
     # Reassemble the survivors' shards over the new mesh (no copy).
@@ -754,9 +824,10 @@ class Engine:
             "expert_moves": len(moves), "shrink_seconds": time.perf_counter() - t0}
 
   def _move_experts_routed(self, moves, new_ss, new_active) -> tuple[dict, int]:
-    """Multi-controller expert moves (no cross-host device_put): SPMD extract on the old mesh,
-    a permuting reshard, SPMD insert into the survivors' empty slots on the new mesh. Returns
-    (experts over the new mesh, bytes this process counted)."""
+    """Expert moves by the StepSets' SPMD steps: extract on the old mesh, a transfer (one
+    process: a device_put per moved expert; multi-controller, where a cross-host device_put is
+    not implemented: a permuting reshard), SPMD insert into the survivors' empty slots on the
+    new mesh. Returns (experts over the new mesh, bytes this process counted)."""
     old_ss = self.stepset
     old_pos = {w: i for i, w in enumerate(self.active)}
     new_pos = {w: i for i, w in enumerate(new_active)}
@@ -773,6 +844,14 @@ class Engine:
       for sp, sslot, _, _ in rnd:
         idx[sp] = sslot
       rows = old_ss["extract_experts"](self.experts, jax.device_put(idx, old_ss.worker_sharding))
+      if jax.process_count() == 1:
+        local = {name: elastic.shards_by_device(r) for name, r in rows.items()}
+        for sp, _, dw, ds in rnd:
+          sent = {name: jax.device_put(local[name][devs_old[sp]], self.devices[dw])
+                  for name in rows}
+          moved_bytes += sum(a.nbytes for a in sent.values())
+          pieces.append((dw, ds, sent))
+        continue
       routed = elastic.route_rows(rows, {sp: self.devices[dw] for sp, _, dw, _ in rnd}, devs_old)
       for sp, _, dw, ds in rnd:
         moved_bytes += sum(a.nbytes // len(devs_old) for a in rows.values())

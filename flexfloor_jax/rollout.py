@@ -81,10 +81,24 @@ def main(argv):
   s = res.summary
   log = process_log(config.rollout.output_dir)
   log(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "
-        f"{s['device_steps']} device-steps, tokens/device-step {s['tokens_per_device_step']:.3f}, "
-        f"idle after finish {s['idle_after_finish_fraction']:.3f}, slot utilization "
-        f"{s['slot_utilization']:.3f}, {s['throughput_tokens_per_s']:.1f} tokens/s; "
-        f"outputs in {config.rollout.output_dir}/")
+      f"{s['device_steps']} device-steps, tokens/device-step {s['tokens_per_device_step']:.3f}, "
+      f"idle after finish {s['idle_after_finish_fraction']:.3f}, slot utilization "
+      f"{s['slot_utilization']:.3f}, {s['throughput_tokens_per_s']:.1f} tokens/s; "
+      f"{release_line(s)}; outputs in {config.rollout.output_dir}/")
+
+
+def release_line(s: dict) -> str:
+  """What the elastic group did: releases, the smallest active group, and the steps compiles
+  held releases back (the mechanism, without opening summary.json)."""
+  n = s["num_workers"]
+  releases = [r for r in s.get("releases", []) if r.get("workers") and not r.get("final")]
+  smallest = n - sum(len(r["workers"]) for r in releases)
+  out = (f"{len(releases)} release{'s' if len(releases) != 1 else ''}, "
+         f"smallest active group {smallest} of {n} workers")
+  if s.get("releases_held_for_compile_steps"):
+    out += (f", releases held {s['releases_held_for_compile_steps']} steps for compiles"
+            f" (rollout.wait_compiles=true waits for them)")
+  return out
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ temp files and renamed, so a failed run leaves no partial output.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -16,7 +18,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import accounting, costs, plan, planner, scheduler, workload
+from flexfloor_jax.policy import (accounting, compile_plan, costs, plan, planner, scheduler,
+                                  workload)
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.jsonl import iter_jsonl
@@ -81,7 +84,13 @@ def validate_config(config) -> None:
          f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
   _check(config.mesh.num_devices >= 0,
          f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
-  _check(config.model.max_seq_len > 1, "model.max_seq_len must be > 1")
+  _check(config.model.max_seq_len == 0 or config.model.max_seq_len > 1,
+         f"model.max_seq_len must be 0 (longest prompt + rollout.max_new_tokens, capped by the "
+         f"model's max_position_embeddings) or > 1, got {config.model.max_seq_len}")
+  threads = r.get("compile_threads", 0)
+  _check(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0,
+         f"rollout.compile_threads must be an integer >= 0 (0 = one per core, at most 4), "
+         f"got {threads!r}")
   _check(r.lengths in ("auto", "model", "workload") or os.path.isfile(r.lengths),
          f"rollout.lengths must be 'model', 'workload' or a lengths JSONL file; "
          f"{r.lengths!r} is neither (file not found)")
@@ -188,15 +197,28 @@ def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:
   return seqs
 
 
-def model_bytes(model_cfg, config) -> tuple[int, int, int]:
-  """(bytes of one expert, bytes of all non-expert weights, KV cache bytes of one worker)."""
+def model_bytes(model_cfg, config, max_seq_len: Optional[int] = None) -> tuple[int, int, int]:
+  """(bytes of one expert, bytes of all non-expert weights, KV cache bytes of one worker);
+  `max_seq_len`: the resolved KV length (default: model.max_seq_len)."""
   itemsize = 2 if model_cfg.dtype == "bfloat16" else np.dtype(model_cfg.dtype).itemsize
   d, f, nl = model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers
   expert = 3 * nl * d * f * itemsize
   nonexpert = model_cfg.param_count() * itemsize - model_cfg.num_experts * expert
-  kv = (2 * nl * config.rollout.slots_per_worker * config.model.max_seq_len
+  kv = (2 * nl * config.rollout.slots_per_worker * (max_seq_len or config.model.max_seq_len)
         * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize)
   return expert, nonexpert, kv
+
+
+def resolve_max_seq_len(config, prompts: list[Prompt], model_cfg) -> int:
+  """The KV cache length: model.max_seq_len when set (checked against the prompts and the
+  model by the caller), else what the run needs, the longest prompt + rollout.max_new_tokens,
+  capped by the model's max_position_embeddings."""
+  if config.model.max_seq_len:
+    return int(config.model.max_seq_len)
+  need = max(len(p.tokens) for p in prompts) + config.rollout.max_new_tokens
+  # the prefill writes its whole width (rollout.max_prompt_len) into the cache
+  need = max(need, config.rollout.max_prompt_len)
+  return int(min(need, model_cfg.max_position_embeddings))
 
 
 def memory_budget_bytes(config, devices) -> int:
@@ -243,18 +265,20 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   if tokenizer is None:
     tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
   prompts = load_prompts(config, tokenizer, model_cfg.bos_id)
+  seq_len = resolve_max_seq_len(config, prompts, model_cfg)
   for p in prompts:
     _check(len(p.tokens) <= r.max_prompt_len, f"rollout.prompts: prompt {p.prompt_id!r} has "
            f"{len(p.tokens)} tokens, more than rollout.max_prompt_len={r.max_prompt_len}")
-    _check(len(p.tokens) + r.max_new_tokens <= config.model.max_seq_len,
+    _check(len(p.tokens) + r.max_new_tokens <= seq_len,
            f"rollout.prompts: prompt {p.prompt_id!r} ({len(p.tokens)} tokens) + "
-           f"rollout.max_new_tokens={r.max_new_tokens} exceeds model.max_seq_len="
-           f"{config.model.max_seq_len}")
+           f"rollout.max_new_tokens={r.max_new_tokens} exceeds model.max_seq_len={seq_len}"
+           + ("" if config.model.max_seq_len else
+              f" (the model's max_position_embeddings)"))
     bad = [t for t in p.tokens if not 0 <= t < model_cfg.vocab_size]
     _check(not bad, f"rollout.prompts: prompt {p.prompt_id!r} has token ids {bad[:4]} outside "
            f"the vocabulary of {model_cfg.vocab_size}")
-  _check(config.model.max_seq_len <= model_cfg.max_position_embeddings,
-         f"model.max_seq_len={config.model.max_seq_len} exceeds the model's "
+  _check(seq_len <= model_cfg.max_position_embeddings,
+         f"model.max_seq_len={seq_len} exceeds the model's "
          f"max_position_embeddings={model_cfg.max_position_embeddings}")
   mode = resolve_lengths_mode(config)
   seqs = build_seqs(config, prompts, mode)
@@ -269,7 +293,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   n = len(devices)
   b = r.slots_per_worker
   e = model_cfg.num_experts
-  expert_bytes, nonexpert_bytes, kv_bytes = model_bytes(model_cfg, config)
+  expert_bytes, nonexpert_bytes, kv_bytes = model_bytes(model_cfg, config, seq_len)
   budget = memory_budget_bytes(config, devices)
   try:
     floor = planner.floor_workers(e, expert_bytes, nonexpert_bytes, kv_bytes, budget, n)
@@ -309,31 +333,54 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
                                scale=config.model.init_scale)
   spec = engine_lib.EngineSpec(
-      cfg=model_cfg, slots_per_worker=b, expert_slots=slots, max_seq_len=config.model.max_seq_len,
+      cfg=model_cfg, slots_per_worker=b, expert_slots=slots, max_seq_len=seq_len,
       max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
       moe_backend=config.model.moe_backend,
       interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
       record_routes=bool(r.get("record_routes", False)))
-  # the smaller meshes, largest first: the order they compile in (_ReadyFloor relies on it)
+  # The smaller meshes a release may leave, compiled in the order the plan reaches them (see
+  # policy/compile_plan.py), each with the movers of the devices its releases touch.
   sizes = sorted((m for m in (allowed or range(floor, n)) if m < n), reverse=True) if flex else []
+  cplan = compile_plan.plan_compiles(
+      seqs, queues, policy, pred_by_seq, num_workers=n, slots_per_worker=b,
+      steps_per_dispatch=r.steps_per_dispatch, candidates=sizes, placement=placement,
+      chain=chain, has_history=len(history) > 0) if flex else None
+  # wait_plan_compiles (the default): only the sizes the plan expects are compiled, and waited
+  # for; compiling the others in the background slowed generation more than the releases they
+  # allow saved (README, Performance), and a release to them is held and reported instead.
+  plan_only = (bool(cplan) and not r.wait_compiles and bool(r.get("wait_plan_compiles", True))
+               and jax.process_count() == 1)
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=config.sampling.seed,
-                          epoch=r.epoch, step_cache=step_cache, prefetch_sizes=sizes)
+                          epoch=r.epoch, step_cache=step_cache,
+                          prefetch_sizes=(cplan.expected if plan_only else cplan.order)
+                          if cplan else [],
+                          compile_threads=int(r.get("compile_threads", 0)),
+                          mover_plan=cplan.movers if cplan else None)
   by_prompt = {p.prompt_id: p for p in prompts}
   eng.add_sequences({s.seq_id: engine_lib.SeqInput(
       tokens=np.asarray(by_prompt[s.prompt_id].tokens, np.int32),
       limit=s.target_len or s.max_new_tokens, stop_eos=mode == "model",
       phash=prompt_hash(s.prompt_id), sample=s.sample, fixed_length=s.target_len is not None)
       for s in seqs})
-  # The executables of the smaller meshes compile in a background thread. Either wait for them
-  # (reproducible releases: benchmarks, tests) or start at once and never release onto a mesh
-  # whose executable is not ready yet: a release never waits for a compile.
+  # The executables of the smaller meshes compile in background threads. wait_compiles: wait
+  # for all of them (reproducible releases: benchmarks, tests). Else wait for the sizes the plan
+  # expects to reach (rollout.wait_plan_compiles) or none, and never release onto a mesh whose
+  # executables are not ready: a release never waits for a compile, and the steps that costs
+  # are counted and reported.
   multi = jax.process_count() > 1  # multi-controller: every process runs this same loop
+  t_wait = time.perf_counter()
+  waited: list[int] = []
   if r.wait_compiles or multi:  # (a timing-dependent floor would split the processes' plans)
     eng.steps.wait_all()
+    waited = list(sizes)
   elif flex:
+    if plan_only:
+      waited = list(cplan.expected)
+      eng.steps.wait(waited)
     policy = _ReadyFloor(policy, eng.steps, n, sizes)
+  wait_s = time.perf_counter() - t_wait
   setup_s = time.perf_counter() - t_setup
 
   from flexfloor_jax.policy import controller
@@ -347,6 +394,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
     record = controller.run(seqs, queues, _ProgressExecutor(eng, bar, released), policy,
                             steps_per_dispatch=r.steps_per_dispatch)
+    if isinstance(policy, _ReadyFloor):
+      policy.finish(record.timeline)
   finally:
     bar.close()
     if step_cache is None:
@@ -377,7 +426,23 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
            cost_table=({str(k): v for k, v in policy.cost.table.items()}
                        if getattr(policy.cost, "table", None) else None),
            length_buckets=length_buckets(queues, pred_by_seq),
-           step_seconds_measured={str(k): float(np.median(v)) for k, v in by_size.items()})
+           step_seconds_measured={str(k): float(np.median(v)) for k, v in by_size.items()},
+           max_seq_len=seq_len,
+           compile_plan=dict(cplan.to_json(), waited_for=waited, wait_s=wait_s,
+                             compile_threads=eng.steps.compile_threads,
+                             # per size: [start, end] of its compile, seconds from setup start
+                             compile_s={str(k): [a - t_setup, z - t_setup]
+                                        for k, a, z in eng.steps.compile_log if a >= t_setup})
+           if cplan else None,
+           **held_summary(policy))
+  if m["releases_held_for_compile_steps"]:
+    logging.getLogger(__name__).warning(
+        "releases held back %d steps waiting for compiles: %s (%d device-steps); "
+        "--config.rollout.wait_compiles=true compiles every size before the first step",
+        m["releases_held_for_compile_steps"],
+        ", ".join(f"size {k} for {v} steps" for k, v in
+                  sorted(m["releases_held_for_compile"].items(), key=lambda kv: -int(kv[0]))),
+        m["releases_held_for_compile_device_steps"])
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
@@ -427,29 +492,79 @@ def _progress(total: int, enabled: bool):
   return tqdm(total=total, desc="responses", unit="seq", disable=not enabled, leave=False)
 
 
+def held_summary(policy) -> dict:
+  """summary.json's account of releases held back by compiles not ready (zeros when none)."""
+  held = policy if isinstance(policy, _ReadyFloor) else None
+  return dict(
+      releases_held_for_compile_steps=held.held_steps if held else 0,
+      releases_held_for_compile={str(k): v for k, v in held.held_by_size.items()} if held else {},
+      releases_held_for_compile_device_steps=held.held_device_steps if held else 0)
+
+
 class _ReadyFloor:
-  """Release policy whose floor is raised to the smallest mesh already compiled (sizes compile
-  from the largest down, so the ready ones are the first of `sizes`)."""
+  """The release policy, allowed only the mesh sizes already compiled (a release never waits
+  for a compile), which also counts what that costs: while some size is not ready, each decision
+  asks a copy of the unrestricted policy too, and for as long as that one would have shrunk the
+  group further, the steps count against the size it wanted (`held_by_size`) and the extra
+  active workers against `held_device_steps`."""
 
   def __init__(self, policy, steps, n: int, sizes):
     self._policy, self._steps, self._n = policy, steps, n
-    self._sizes = sizes  # the smaller meshes, largest first
+    self._sizes = list(sizes)  # the smaller meshes a release may leave
+    self._full = (policy.floor, policy.sizes)
+    self._all_ready = not self._sizes
+    self._hold = None  # (step, wanted size, size kept) while a release is held back
+    self.held_steps = 0
+    self.held_device_steps = 0
+    self.held_by_size: dict[int, int] = {}
 
-  def _update(self):
-    m = self._n
-    for k in self._sizes:
-      if not self._steps.ready(k):
-        break
-      m = k
-    self._policy.floor = m
+  def _restrict(self) -> bool:
+    """Allow only compiled sizes; False once every size is (the policy is then unrestricted)."""
+    if self._all_ready:
+      return False
+    ready = [m for m in self._sizes if self._steps.ready(m)]
+    if len(ready) == len(self._sizes):
+      self._all_ready = True
+      self._policy.floor, self._policy.sizes = self._full
+      return False
+    ok = sorted({*ready, self._n}, reverse=True)
+    self._policy.floor, self._policy.sizes = ok[-1], tuple(ok)
+    return True
+
+  def _close(self, step: int):
+    if self._hold is not None:
+      s0, want, kept = self._hold
+      self.held_steps += step - s0
+      self.held_device_steps += (kept - want) * (step - s0)
+      self.held_by_size[want] = self.held_by_size.get(want, 0) + step - s0
+      self._hold = None
 
   def stop_masks(self, st):
-    self._update()
-    return self._policy.stop_masks(st)
+    if not self._restrict():
+      return self._policy.stop_masks(st)
+    # stop when the unrestricted policy would: a size that became ready is used at once
+    floor, sizes = self._policy.floor, self._policy.sizes
+    self._policy.floor, self._policy.sizes = self._full
+    try:
+      return self._policy.stop_masks(st)
+    finally:
+      self._policy.floor, self._policy.sizes = floor, sizes
 
   def plan(self, st):
-    self._update()
-    return self._policy.plan(st)
+    self._close(st.step)
+    if not self._restrict():
+      return self._policy.plan(st)
+    probe = copy.deepcopy(self._policy)
+    probe.floor, probe.sizes = self._full
+    want, got = probe.plan(st), self._policy.plan(st)
+    size = lambda p: len(st.active) if p is None or p.new_active is None else len(p.new_active)
+    if size(want) < size(got):
+      self._hold = (st.step, size(want), size(got))
+    return got
+
+  def finish(self, timeline):
+    """Close a hold still open when the rollout ended."""
+    self._close(timeline.num_steps)
 
   def __getattr__(self, name):
     return getattr(self._policy, name)

@@ -310,7 +310,7 @@ def test_cli_greedy_matches_transformers(greedy_case, tmp_path):
   proc, secs = run_cli([
       f"--config.model.checkpoint={greedy_case['path']}", f"--config.rollout.prompts={prompts}",
       "--config.sampling.temperature=0", "--config.rollout.lengths=model",
-      f"--config.rollout.max_new_tokens={GREEDY_NEW_TOKENS}", "--config.model.max_seq_len=64",
+      f"--config.rollout.max_new_tokens={GREEDY_NEW_TOKENS}",
       "--config.rollout.samples_per_prompt=1", "--config.rollout.slots_per_worker=8",
       "--config.mesh.num_devices=2", "--config.schedule=static",
       f"--config.rollout.output_dir={out}"], timeout=600)
@@ -318,6 +318,11 @@ def test_cli_greedy_matches_transformers(greedy_case, tmp_path):
   with open(out / "responses.jsonl") as f:
     ours = {r["prompt_id"]: r for r in map(json.loads, f)}
   assert sorted(ours) == sorted(greedy_case["prompts"])
+  # no length flag: the checkpoint's max_position_embeddings (256) is not refused, and the KV
+  # cache is what the run needs
+  with open(out / "summary.json") as f:
+    longest = max(len(t) for t in greedy_case["prompts"].values())
+    assert json.load(f)["max_seq_len"] == longest + GREEDY_NEW_TOKENS
   eos = greedy_case["eos"]
   total = compared = close = 0
   reasons = []

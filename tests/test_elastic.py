@@ -27,6 +27,7 @@ def get_config():
   c.rollout.slots_per_worker = 2
   c.rollout.steps_per_dispatch = 4
   c.rollout.wait_compiles = True
+  c.scheduler.release_sizes = ""  # every size: the release order is what these tests check
   c.model.max_seq_len = 96
   c.sampling.temperature = 1.0
   c.sampling.top_p = 0.9
@@ -277,3 +278,67 @@ def test_measured_step_times_drive_the_next_run(params, tmp_path):
   assert second.summary["cost_model"] == "measured"
   assert {int(k): v for k, v in second.summary["cost_table"].items()} == measured
   assert second.summary["releases"] and sizes_over_time(second)[-1] == 1  # released on it
+
+
+def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_path):
+  """The default (wait_compiles=False) flexfloor path: it waits only for the sizes the plan
+  expects (every size while the length history is empty) and releases workers; a second run
+  in the same process, with a fresh StepCache, finds every executable in the persistent cache
+  (the CLI's thresholds keep them all) and compiles nothing."""
+  import os
+
+  from flexfloor_jax.cli import enable_compilation_cache
+  enable_compilation_cache(jax.config.jax_compilation_cache_dir or os.environ.get(
+      "FLEXFLOOR_JAX_CACHE"))
+  c = get_config()
+  c.rollout.wait_compiles = False
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  first = run(c, params, tmp_path, "first")
+  s = first.summary
+  assert s["max_seq_len"] == c.model.max_seq_len  # an explicit length wins
+  assert s["compile_plan"]["source"] == "no_history"
+  assert s["compile_plan"]["waited_for"] == [7, 6, 5, 4, 3, 2, 1]
+  assert s["releases_held_for_compile_steps"] == 0
+  assert len([r for r in s["releases"] if not r["final"]]) >= 3
+  assert sizes_over_time(first)[-1] == 1
+
+  cache = jax.config.jax_compilation_cache_dir
+  count = lambda: len([f for f in os.listdir(cache) if f.endswith("-cache")])
+  before = count()
+  events = []  # a compile request that finds its executable in JAX's cache is a hit
+
+  def listen(event, **kw):
+    if event in ("/jax/compilation_cache/compile_requests_use_cache",
+                 "/jax/compilation_cache/cache_hits"):
+      events.append(event)
+
+  jax.monitoring.register_event_listener(listen)
+  try:
+    second = run(c, params, tmp_path, "second")
+  finally:
+    jax.monitoring.unregister_event_listener(listen)
+  requests = events.count("/jax/compilation_cache/compile_requests_use_cache")
+  hits = events.count("/jax/compilation_cache/cache_hits")
+  assert requests > 0 and hits == requests, f"{requests - hits} of {requests} compiled again"
+  assert count() == before  # nothing new written: nothing was compiled
+  assert second.summary["device_steps"] == s["device_steps"]
+
+
+def test_max_seq_len_defaults_to_what_the_run_needs(params, tmp_path):
+  """No length flag: the KV length is the longest prompt + rollout.max_new_tokens (512 here,
+  more than any hand-set default of the tiny preset)."""
+  c = get_config()
+  c.model.max_seq_len = 0
+  c.schedule = "static"
+  c.mesh.num_devices = 1
+  c.rollout.num_prompts = 2
+  c.rollout.samples_per_prompt = 1
+  c.rollout.max_new_tokens = 512
+  path = tmp_path / "lengths.jsonl"
+  path.write_text("".join(json.dumps({"id": f"builtin-{i}", "sample": 0, "length": 3}) + "\n"
+                          for i in range(2)))
+  c.rollout.lengths = str(path)
+  res = run(c, params, tmp_path, "long")
+  longest = max(len(runner.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
+  assert res.summary["max_seq_len"] == longest + 512
+  assert all(r["num_tokens"] == 3 for r in res.responses)
