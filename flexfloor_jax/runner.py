@@ -66,8 +66,8 @@ def validate_config(config) -> None:
   _check(config.scheduler.get("step_cost", "auto") in costs.STEP_COSTS,
          f"scheduler.step_cost must be one of {costs.STEP_COSTS}, got "
          f"{config.scheduler.get('step_cost')!r}")
-  _check(config.scheduler.get("placement", "auto") in ("auto", "static"),
-         f"scheduler.placement must be 'auto' or 'static', got "
+  _check(config.scheduler.get("placement", "auto") in plan.PLACEMENTS,
+         f"scheduler.placement must be one of {plan.PLACEMENTS}, got "
          f"{config.scheduler.get('placement')!r}")
   _check(r.max_new_tokens > 0, f"rollout.max_new_tokens must be > 0, got {r.max_new_tokens}")
   _check(r.samples_per_prompt > 0,

@@ -564,10 +564,10 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
 
 def _group_job(job):
   """One EP group's rollout (a top-level function: it runs in worker processes)."""
-  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx = job
+  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement = job
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
                   steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
-                  policy_cost=RooflineStepCost(model, hw, ctx))
+                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement)
   rel = m.pop("releases", [])
   m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
   # for the RL step model: when each response finished, its tokens, when workers were released
@@ -685,9 +685,11 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
   known = scheduler.LengthHistory()
   known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
-  # across groups the split spends the slack (group_split); inside a group of several, placement
-  # and releases then keep to that group's balanced makespan, or the two slacks would compound
-  inner_slack = makespan_slack if devices == ep else 0.0
+  # across groups the split spends the slack (group_split); inside a group of several the
+  # placement is balanced's and releases keep to that group's balanced makespan, or the two
+  # slacks would compound (a placement made for releasing buys little where a release must pay
+  # in roofline seconds)
+  inner_slack, inner_placement = (makespan_slack, "auto") if devices == ep else (0.0, "balanced")
   jobs, labels = [], []
   for label in RUNS:
     sched = label.removeprefix("oracle_")
@@ -699,7 +701,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       labels.append(label)
       jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
                    hh, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
-                   inner_slack, ctx))
+                   inner_slack, ctx, inner_placement))
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
     import concurrent.futures

@@ -110,6 +110,22 @@ def test_history_keeps_step_seconds(tmp_path):
     scheduler.LengthHistory.load(str(tmp_path / "bad.json"))
 
 
+def test_flexfloor_with_balanced_placement_releases_on_balanced_queues():
+  h = scheduler.LengthHistory()
+  for i, n in enumerate([9, 2, 7, 3, 8, 1, 6, 4]):
+    h.add(f"p{i}", 0, [n])
+  s = [Seq(i, f"p{i}", 0, 4, None, 64) for i in range(8)]
+  bal_q, bal_pol, _ = plan.plan_rollout(s, h, "balanced", 4, 1, 1)
+  q, pol, _ = plan.plan_rollout(s, h, "flexfloor", 4, 1, 1, placement="balanced",
+                                cost=costs.MeasuredStepCost({4: 1.0, 1: 1.0}))
+  # LPT by hand: 9, 8, 7, 6 -> w0..w3; then 4 -> w3 (10), 3 -> w2 (10), 2 -> w1 (10), 1 -> w0 (10)
+  assert q == bal_q == {0: [0, 5], 1: [4, 1], 2: [2, 3], 3: [6, 7]}
+  assert pol.enabled and pol.shared_queue and pol.floor == 1 and bal_pol.floor == 4
+  assert pol.predicted_makespan_steps == 10.0  # the longest worker's list-scheduled finish
+  with pytest.raises(ValueError, match="placement"):
+    plan.plan_rollout(s, h, "flexfloor", 4, 1, 1, placement="lpt")
+
+
 def test_step_cost_setting_picks_the_cost_model():
   h = scheduler.LengthHistory()
   h.add("p", 0, [3, 4])

@@ -7,7 +7,7 @@ from flexfloor_jax.policy import costs, planner, scheduler
 from flexfloor_jax.policy.controller import Seq
 
 SCHEDULES = ("static", "balanced", "flexfloor")
-PLACEMENTS = ("auto", "static")
+PLACEMENTS = ("auto", "static", "balanced")
 
 
 def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: str,
@@ -23,6 +23,10 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
   schedule='flexfloor', placement='auto': length-aware placement on the release chain whose
     predicted makespan is within `makespan_slack` of balanced's, release, work stealing, and
     compaction when `compaction`.
+  schedule='flexfloor', placement='balanced': balanced's placement and shared queue, with release
+    (and compaction when `compaction`): where releases rarely pay in seconds (a roofline decode
+    step is gated by the worker holding the most experts), a placement made for releasing buys
+    nothing, and the balanced one keeps the makespan.
   schedule='flexfloor', placement='static': the baseline's placement unchanged; release alone
     (compaction=False: its ceiling is 1 / (1 - static idle_after_finish_fraction)) or release plus
     compaction of stragglers (compaction=True), never work stealing.
@@ -54,6 +58,16 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
     return queues, policy, pred
   predicted = scheduler.predict(history, seqs)
   pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
+  if flex and placement == "balanced":
+    q90 = scheduler.predict(history, seqs, quantile=0.9)
+    queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker)
+    by_id = dict(zip((s.seq_id for s in seqs), q90))
+    makespan = max(planner.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
+                   for v in queues.values())
+    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
+                                   compaction=bool(compaction), predicted=pred, sizes=sizes,
+                                   shared_queue=True, predicted_makespan_steps=makespan, **timed)
+    return queues, policy, pred
   if schedule == "balanced":
     queues = scheduler.balanced_placement(seqs, scheduler.predict(history, seqs, quantile=0.9),
                                           workers, slots_per_worker)
