@@ -76,8 +76,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.scheduler = ml_collections.ConfigDict()
   c.scheduler.history_path = ""  # length history file; '' = <output_dir>/history.json
   c.scheduler.compaction = True  # migrate stragglers off workers that could be released
-  # 'auto' = length-aware placement on the release chain; 'static' = the baseline's placement kept
-  # (flexfloor then releases, and compacts when scheduler.compaction, but never reorders work)
+  # 'auto' = length-aware placement on the release chain; 'balanced' = balanced's placement and
+  # shared queue, with release (where a release rarely pays in seconds); 'static' = the
+  # baseline's placement kept (flexfloor then releases, and compacts when scheduler.compaction,
+  # but never reorders work)
   c.scheduler.placement = "auto"
   # active-group sizes a release may leave, one compiled executable set each: '' = every size
   # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
