@@ -198,3 +198,43 @@ def process_log(output_dir: str):
     with open(path, "a") as f:
       f.write(msg + "\n")
   return log
+
+
+def prepare_rollout(config):
+  """Every check that needs no JAX, then the length history loaded against this model (its
+  lengths in [1, rollout.max_new_tokens]; another model's history: a warning and a fresh one).
+  Raises runner.RolloutError or cli.ConfigError."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model.config import PRESETS, model_identity
+  from flexfloor_jax.policy import scheduler
+
+  validate_common(config)
+  runner.validate_config(config)
+  if config.model.checkpoint:
+    try:
+      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise runner.RolloutError(f"model.checkpoint: {e}") from None
+  else:
+    model_cfg = PRESETS[config.preset]
+  r = config.rollout
+  if not config.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
+    raise runner.RolloutError(
+        f"rollout.max_prompt_len={r.max_prompt_len} exceeds the model's max_position_embeddings="
+        f"{model_cfg.max_position_embeddings}, the longest KV cache (model.max_seq_len) it allows")
+  if r.prompts and os.path.isfile(r.prompts):
+    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
+    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
+    from flexfloor_jax.policy.jsonl import iter_jsonl
+    try:
+      for _ in iter_jsonl(r.prompts):
+        pass
+    except ValueError as e:
+      raise runner.RolloutError(f"rollout.prompts: {e}") from None
+  path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
+  try:
+    return scheduler.LengthHistory.load(path, max_new_tokens=r.max_new_tokens,
+                                        model=model_identity(model_cfg))
+  except scheduler.HistoryError as e:
+    raise runner.RolloutError(f"scheduler.history_path: {e}") from None

@@ -4,56 +4,17 @@ On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh
 field or 8), which must happen before jax is imported: hence the late imports.
 """
 
-import os
-
 from absl import app, flags
 
 from flexfloor_jax import distributed
 from flexfloor_jax.cli import (config_loaded, define_config, emulate_cpu_devices, fail,
-                               parse_flags, process_log)
+                               parse_flags, prepare_rollout, process_log)
 
 
 _CONFIG = define_config("configs/mixtral.py", "Rollout config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
                                     "Emulated devices on CPU (default: config mesh.cpu_devices).")
 _DIST_FLAGS = distributed.define_flags()
-
-
-def prepare(config):
-  """Every check that needs no JAX, then the length history loaded against this model (its
-  lengths in [1, rollout.max_new_tokens]; another model's history: a warning and a fresh one).
-  Raises runner.RolloutError or cli.ConfigError."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.cli import validate_common
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model.config import PRESETS, model_identity
-  from flexfloor_jax.policy import scheduler
-
-  validate_common(config)
-  runner.validate_config(config)
-  if config.model.checkpoint:
-    try:
-      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
-    except ckpt.CheckpointError as e:
-      raise runner.RolloutError(f"model.checkpoint: {e}") from None
-  else:
-    model_cfg = PRESETS[config.preset]
-  r = config.rollout
-  if r.prompts and os.path.isfile(r.prompts):
-    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
-    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
-    from flexfloor_jax.policy.jsonl import iter_jsonl
-    try:
-      for _ in iter_jsonl(r.prompts):
-        pass
-    except ValueError as e:
-      raise runner.RolloutError(f"rollout.prompts: {e}") from None
-  path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
-  try:
-    return scheduler.LengthHistory.load(path, max_new_tokens=r.max_new_tokens,
-                                        model=model_identity(model_cfg))
-  except scheduler.HistoryError as e:
-    raise runner.RolloutError(f"scheduler.history_path: {e}") from None
 
 
 def main(argv):
@@ -63,7 +24,7 @@ def main(argv):
   from flexfloor_jax import runner
   from flexfloor_jax.cli import ConfigError
   try:
-    history = prepare(config)  # before jax starts: bad input fails in well under a second
+    history = prepare_rollout(config)  # before jax starts: bad input fails in well under a second
   except (ConfigError, runner.RolloutError) as e:
     fail(str(e))
   emulate_cpu_devices(_CPU_DEVICES.value or distributed.local_cpu_devices()

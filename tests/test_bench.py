@@ -81,8 +81,9 @@ def test_bench_outputs(small_bench):
   c, out = small_bench
   assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   names = sorted(p.name for p in (out / "runs").iterdir())
-  assert names == sorted(f"{n}_e{k}.json" for n in ("static", "flexfloor", "release_only",
-                                                    "release_compaction") for k in (0, 1))
+  assert names == sorted(f"{n}_e{k}.json" for n in ("static", "balanced", "flexfloor",
+                                                    "release_only", "release_compaction")
+                         for k in (0, 1))
   assert not [p for p in out.rglob(".*")]  # no temp files left behind
   doc = json.loads((out / "bench.json").read_text())
   table = bench.format_table(doc)

@@ -326,7 +326,10 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
   requests = events.count("/jax/compilation_cache/compile_requests_use_cache")
   hits = events.count("/jax/compilation_cache/cache_hits")
   assert requests > 0 and hits == requests, f"{requests - hits} of {requests} compiled again"
-  assert count() == before  # nothing new written: nothing was compiled
+  # nothing new written: nothing was compiled (other processes, e.g. the other pytest-xdist
+  # worker, write to the same cache directory meanwhile, so only a serial run can count)
+  if not os.environ.get("PYTEST_XDIST_WORKER"):
+    assert count() == before
   assert second.summary["device_steps"] == s["device_steps"]
 
 

@@ -344,7 +344,8 @@ def _cases(tmp_path):
       "sft_steps_0": ("rl.sft", ["--config.sft.steps=0"], ["sft.steps"]),
       "sft_misspelled_field": ("rl.sft", ["--config.sft.step=5"],
                                ["--config.sft.step", 'Did you mean "steps"']),
-      "max_prompt_len_over_max_seq_len": ("rollout", [rout, "--config.rollout.max_prompt_len=1000"],
+      "max_prompt_len_over_max_seq_len": ("rollout", [rout, "--config.rollout.max_prompt_len=1000",
+                                                      "--config.model.max_seq_len=320"],
                                           ["rollout.max_prompt_len=1000", "model.max_seq_len"]),
       "dtype_fp16x": ("rollout", [rout, "--config.model.dtype=fp16x"], ["model.dtype", "fp16x"]),
       "dtype_float64": ("rollout", [rout, "--config.model.dtype=float64"],
@@ -452,14 +453,13 @@ def test_history_records_model_and_restarts_for_another(tmp_path, caplog):
 def test_rollout_cli_loads_history_against_its_model(tmp_path, caplog):
   """What the rollout CLI hands the runner (which saves it): this model's identity; another
   model's history is replaced, not used."""
-  from flexfloor_jax import rollout
-  from flexfloor_jax.cli import load_config
+  from flexfloor_jax.cli import load_config, prepare_rollout
   from flexfloor_jax.model.config import PRESETS, model_identity
   c = load_config("mixtral", "tiny")
   c.scheduler.history_path = _history_file(tmp_path, {"builtin-0": {"0": [40]}},
                                            model="cfg-0123456789abcdef")
   with caplog.at_level(logging.WARNING):
-    h = rollout.prepare(c)
+    h = prepare_rollout(c)
   assert len(h) == 0 and h.model == model_identity(PRESETS["tiny"])
   assert "cfg-0123456789abcdef" in caplog.text
   assert model_identity(PRESETS["tiny"]) == model_identity(PRESETS["tiny"].replace(
