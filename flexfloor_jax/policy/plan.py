@@ -58,9 +58,10 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
     return queues, policy, pred
   predicted = scheduler.predict(history, seqs)
   pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
-  if flex and placement == "balanced":
+  if schedule == "balanced" or flex and placement == "balanced":
     q90 = scheduler.predict(history, seqs, quantile=0.9)
     queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker)
+  if flex and placement == "balanced":
     by_id = dict(zip((s.seq_id for s in seqs), q90))
     makespan = max(planner.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
                    for v in queues.values())
@@ -69,8 +70,6 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
                                    shared_queue=True, predicted_makespan_steps=makespan, **timed)
     return queues, policy, pred
   if schedule == "balanced":
-    queues = scheduler.balanced_placement(seqs, scheduler.predict(history, seqs, quantile=0.9),
-                                          workers, slots_per_worker)
     policy = planner.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
                                    compaction=False, swap=False, steal=False, shared_queue=True,
                                    predicted=pred)
