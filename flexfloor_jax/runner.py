@@ -314,13 +314,14 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
   # -- placement (host policy)
   chain = list(range(n))  # release order: workers leave from the head
+  step_cost = costs.resolve(config.scheduler.get("step_cost", "auto"), devices[0].platform)
   queues, policy, pred_by_seq = plan.plan_rollout(
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
       placement=config.scheduler.get("placement", "auto"),
       compaction=bool(config.scheduler.compaction),
       epoch=r.epoch, sizes=allowed,
       makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
-      step_cost=costs.resolve(config.scheduler.get("step_cost", "auto"), devices[0].platform))
+      step_cost=step_cost)
   predicted = np.array([pred_by_seq[s.seq_id] for s in seqs])
   placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
 
@@ -420,8 +421,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
            expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
            num_sequences=len(seqs), num_prompts=len(prompts),
            makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
-           step_cost=costs.resolve(config.scheduler.get("step_cost", "auto"),
-                                   devices[0].platform),
+           step_cost=step_cost,
            cost_model=getattr(policy.cost, "name", None) if policy.enabled else None,
            cost_table=({str(k): v for k, v in policy.cost.table.items()}
                        if getattr(policy.cost, "table", None) else None),

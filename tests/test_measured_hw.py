@@ -170,15 +170,6 @@ def test_unreadable_and_mismatched_tables(tmp_path):
         sim.MODELS["mixtral-8x7b"], dtype_bytes=4))
 
 
-def test_measured_hw_imports_no_jax():
-  code = ("import sys\nimport flexfloor_jax.policy.measured_hw, flexfloor_jax.sim\n"
-          "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
-          "assert not bad, bad\n")
-  r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                     timeout=60)
-  assert r.returncode == 0, r.stdout + r.stderr
-
-
 def test_sim_cli_on_a_measured_table(tmp_path):
   path = write(tmp_path, make_table(), "h.json")
   out = tmp_path / "out"

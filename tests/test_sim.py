@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_sim_imports_no_jax():
-  code = ("import sys\nimport flexfloor_jax.sim\n"
+  code = ("import sys\nimport flexfloor_jax.sim, flexfloor_jax.policy.measured_hw\n"
           "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
           "assert not bad, bad\n")
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
