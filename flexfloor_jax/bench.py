@@ -30,8 +30,8 @@ import time
 from absl import app, flags
 
 from flexfloor_jax import cli
+from flexfloor_jax.policy import outputs
 from flexfloor_jax.policy.accounting import jsonable
-from flexfloor_jax.policy.atomic import atomic_open
 
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
 PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
@@ -366,15 +366,6 @@ def summary_lines(doc: dict) -> list[str]:
   return out
 
 
-def _atomic(path: str, write):
-  with atomic_open(path, "wb") as f:
-    write(f)
-
-
-def write_json(path: str, doc) -> None:
-  _atomic(path, lambda f: f.write(json.dumps(doc, indent=2).encode()))
-
-
 def plot(doc: dict, timelines: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
@@ -414,16 +405,22 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
   b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
   fig.tight_layout()
   try:
-    _atomic(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    fig.savefig(path, format="png", dpi=110)
   finally:
     plt.close(fig)
 
 
-def write_outputs(doc, timelines, records, out_dir: str) -> None:
-  write_json(os.path.join(out_dir, "bench.json"), doc)
+def write_outputs(doc, timelines, records, out_dir: str) -> str:
+  """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
+  (policy/outputs.py); returns the set's directory. Raises outputs.OutputWriteError naming the
+  file."""
+  s = outputs.OutputSet(out_dir, "output_dir")
+  s.write("bench.json", json.dumps(doc, indent=2))
   for (name, k), rec in records.items():
-    write_json(os.path.join(out_dir, "runs", f"{name}_e{k}.json"), rec)
-  plot(doc, timelines, os.path.join(out_dir, "bench.png"))
+    s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))
+  with s.writing("bench.png") as path:
+    plot(doc, timelines, path)
+  return s.publish()
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -444,16 +441,24 @@ def main(argv):
     runner.validate_config(config)
   except (ConfigError, runner.RolloutError) as e:
     fail(str(e))
-  cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax is imported
-  enable_compilation_cache()
-  try:
-    doc, timelines, records = run_bench(config)
-  except runner.RolloutError as e:
+  try:  # checked and locked before jax starts: a second bench on this directory fails at once
+    lock = outputs.acquire(config.output_dir, "output_dir")
+  except outputs.OutputDirError as e:
     fail(str(e))
-  print(format_table(doc))
-  for line in summary_lines(doc):
-    print(line)
-  write_outputs(doc, timelines, records, config.output_dir)
+  with lock:
+    cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax starts
+    enable_compilation_cache()
+    try:
+      doc, timelines, records = run_bench(config)
+    except runner.RolloutError as e:
+      fail(str(e))
+    print(format_table(doc))
+    for line in summary_lines(doc):
+      print(line)
+    try:
+      write_outputs(doc, timelines, records, config.output_dir)
+    except outputs.OutputWriteError as e:
+      fail(str(e))
   print(f"wrote {config.output_dir}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
 
 

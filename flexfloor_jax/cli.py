@@ -201,13 +201,13 @@ def process_log(output_dir: str):
 
 
 def prepare_rollout(config):
-  """Every check that needs no JAX, then the length history loaded against this model (its
-  lengths in [1, rollout.max_new_tokens]; another model's history: a warning and a fresh one).
-  Raises runner.RolloutError or cli.ConfigError."""
+  """Every check that needs no JAX (rollout.output_dir included: a file, read-only or not
+  creatable), then the length history loaded against this model (runner.load_history, which
+  runner.run applies too when called without one). Raises runner.RolloutError or
+  cli.ConfigError."""
   from flexfloor_jax import runner
   from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model.config import PRESETS, model_identity
-  from flexfloor_jax.policy import scheduler
+  from flexfloor_jax.model.config import PRESETS
 
   validate_common(config)
   runner.validate_config(config)
@@ -232,9 +232,5 @@ def prepare_rollout(config):
         pass
     except ValueError as e:
       raise runner.RolloutError(f"rollout.prompts: {e}") from None
-  path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
-  try:
-    return scheduler.LengthHistory.load(path, max_new_tokens=r.max_new_tokens,
-                                        model=model_identity(model_cfg))
-  except scheduler.HistoryError as e:
-    raise runner.RolloutError(f"scheduler.history_path: {e}") from None
+  runner.check_output_dir(config)
+  return runner.load_history(config, model_cfg)

@@ -1,8 +1,9 @@
 """One rollout: wires the host-side policy, the engine and the elastic controller together.
 
 Order matters for bad input: everything the user gave (config, prompts, lengths file, checkpoint
-inventory, memory budget) is validated before anything is compiled, and outputs are written to
-temp files and renamed, so a failed run leaves no partial output.
+inventory, memory budget, length history, output directory) is validated, and the output directory
+locked, before anything is compiled; the outputs are published as one set (policy/outputs.py), so
+a failed or killed run leaves the previous set, never a mix.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import (accounting, compile_plan, costs, plan, planner, scheduler,
-                                  workload)
+from flexfloor_jax.policy import (accounting, compile_plan, costs, outputs, plan, planner,
+                                  scheduler, workload)
 from flexfloor_jax.policy.accounting import jsonable
-from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.jsonl import iter_jsonl
 from flexfloor_jax.policy.controller import Seq
 
@@ -35,6 +35,16 @@ BUILTIN_PROMPTS = (
 
 class RolloutError(ValueError):
   """Bad input: the message names the config field or the file."""
+
+
+class OutputError(RolloutError):
+  """The outputs could not be written (disk full, read-only, ...): the message names the file.
+  `result`: the finished rollout (its responses are not lost); `staging`: the directory that
+  keeps the files written before the failure (None when nothing could be kept)."""
+
+  def __init__(self, msg: str, result=None, staging=None):
+    super().__init__(msg)
+    self.result, self.staging = result, staging
 
 
 @dataclasses.dataclass
@@ -134,7 +144,75 @@ def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
   return out
 
 
+# ----------------------------------------------------------------------------- history
+
+
+def history_file(config) -> str:
+  return config.scheduler.history_path or os.path.join(config.rollout.output_dir, "history.json")
+
+
+def load_history(config, model_cfg) -> scheduler.LengthHistory:
+  """The length history for this run, checked: lengths in [1, rollout.max_new_tokens], recorded
+  for this model (another model's history: a warning and an empty one). The rollout CLI calls it
+  before jax starts, `run` when not handed one: the same checks either way."""
+  from flexfloor_jax.model.config import model_identity
+  try:
+    return scheduler.LengthHistory.load(history_file(config),
+                                        max_new_tokens=config.rollout.max_new_tokens,
+                                        model=model_identity(model_cfg))
+  except scheduler.HistoryError as e:
+    raise RolloutError(f"scheduler.history_path: {e}") from None
+
+
 # ----------------------------------------------------------------------------- outputs
+
+
+def check_output_dir(config) -> None:
+  """rollout.output_dir usable (a directory, creatable, writable): before jax starts."""
+  try:
+    outputs.check_dir(config.rollout.output_dir, "rollout.output_dir")
+  except outputs.OutputDirError as e:
+    raise RolloutError(str(e)) from None
+
+
+def check_finite_logprobs(responses: list[dict], epoch: int) -> None:
+  """NaN or inf log-probs (weights or activations out of range for model.dtype) are garbage to
+  any consumer and invalid JSON in responses.jsonl: stop naming the first response, as the
+  trainer and the weight loader do for theirs."""
+  bad = [x for x in responses if not all(math.isfinite(v) for v in x["logprobs"])]
+  if bad:
+    raise RolloutError(f"epoch {epoch}: a log-prob of prompt {bad[0]['prompt_id']!r} sample "
+                       f"{bad[0]['sample']} is not finite ({len(bad)} response(s) in all): the "
+                       "model computed NaN or inf (check the weights and model.dtype); nothing "
+                       "was written")
+
+
+def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, title: str,
+                    history: scheduler.LengthHistory, history_path: str) -> str:
+  """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
+  timeline.png and, when it lives in `out`, history.json, published as one set; returns the
+  set's directory. Raises outputs.OutputWriteError naming the file. A history file elsewhere
+  (scheduler.history_path) is replaced on its own after the set is published."""
+  s = outputs.OutputSet(out, "rollout.output_dir")
+  s.write("responses.jsonl",
+          "".join(json.dumps(jsonable(x), allow_nan=False) + "\n" for x in responses))
+  s.write("summary.json", json.dumps(dict(jsonable(summary, nonfinite_to_none=True),
+                                          run_id=s.run_id), indent=2, allow_nan=False))
+  with s.writing("timeline.png") as path:
+    accounting.plot_timeline(timeline, path, title=title)
+  in_set = os.path.abspath(history_path) == os.path.abspath(os.path.join(out, "history.json"))
+  if in_set:
+    with s.writing("history.json") as path:
+      history.save(path)
+  final = s.publish()
+  if not in_set:
+    try:
+      history.save(history_path)
+    except OSError as e:
+      raise outputs.OutputWriteError(
+          f"scheduler.history_path: writing {history_path} failed: {outputs.os_error_text(e)} (the "
+          f"outputs were published in {final})", final, tuple(s.written)) from None
+  return final
 
 
 # ----------------------------------------------------------------------------- the rollout
@@ -238,9 +316,32 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
   `on_release(devices, finished)`: called right after each release with the released devices and
   the responses finished so far, {(prompt_id, sample): tokens}; it must not block (RL: released
-  workers score finished responses, rl/reuse.py)."""
+  workers score finished responses, rl/reuse.py).
+  write_outputs: rollout.output_dir is checked and locked (policy/outputs.py) before anything is
+  compiled, and the outputs are published there as one set; a failure to write them raises
+  OutputError, which holds the result."""
   t_setup = time.perf_counter()
   validate_config(config)  # before the heavy imports: bad fields fail in well under a second
+  if write_outputs:
+    check_output_dir(config)
+  import jax
+  lock = None
+  if write_outputs and jax.process_index() == 0:  # the process that writes the outputs
+    try:
+      lock = outputs.acquire(config.rollout.output_dir, "rollout.output_dir")
+    except outputs.OutputDirError as e:
+      raise RolloutError(str(e)) from None
+  try:
+    return _run(config, t_setup, devices=devices, params=params, model_cfg=model_cfg,
+                tokenizer=tokenizer, write_outputs=write_outputs, history=history,
+                step_cache=step_cache, progress=progress, on_release=on_release)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _run(config, t_setup, *, devices, params, model_cfg, tokenizer, write_outputs, history,
+         step_cache, progress, on_release) -> RolloutResult:
   import jax
 
   from flexfloor_jax import engine as engine_lib
@@ -282,6 +383,9 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
          f"max_position_embeddings={model_cfg.max_position_embeddings}")
   mode = resolve_lengths_mode(config)
   seqs = build_seqs(config, prompts, mode)
+  history_path = history_file(config)
+  if history is None:
+    history = load_history(config, model_cfg)
 
   # -- workers, memory floor, expert slots
   if devices is None:
@@ -305,12 +409,6 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     allowed = planner.release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
   except ValueError as err:
     raise RolloutError(f"scheduler.release_sizes: {err}") from None
-  history_path = config.scheduler.history_path or os.path.join(r.output_dir, "history.json")
-  if history is None:
-    try:
-      history = scheduler.LengthHistory.load(history_path)
-    except scheduler.HistoryError as err:
-      raise RolloutError(f"scheduler.history_path: {err}") from None
 
   # -- placement (host policy)
   chain = list(range(n))  # release order: workers leave from the head
@@ -460,19 +558,18 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
                       "num_tokens": len(o.tokens), "logprobs": o.logprobs, "worker": o.worker,
                       **({} if o.routes is None else {"routes": o.routes})})
   m = jsonable(m)
+  check_finite_logprobs(responses, r.epoch)  # before the history or any file takes them
   history.add_rollout(r.epoch, seqs, {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
   history.add_step_seconds({k: float(np.median(v)) for k, v in by_size.items()})
   tl = record.timeline
+  result = RolloutResult(summary=m, responses=responses, timeline=tl, record=record)
   if write_outputs and jax.process_index() == 0:  # multi-process: process 0 writes outputs
-    out = r.output_dir
-    os.makedirs(out, exist_ok=True)
-    atomic_write(os.path.join(out, "responses.jsonl"),
-                 "".join(json.dumps(jsonable(x)) + "\n" for x in responses))
-    atomic_write(os.path.join(out, "summary.json"), json.dumps(m, indent=2))
-    accounting.plot_timeline(tl, os.path.join(out, "timeline.png"),
-                             title=f"{config.schedule}: {n} workers, epoch {r.epoch}")
-    history.save(history_path)
-  return RolloutResult(summary=m, responses=responses, timeline=tl, record=record)
+    try:
+      publish_outputs(r.output_dir, responses, m, tl,
+                      f"{config.schedule}: {n} workers, epoch {r.epoch}", history, history_path)
+    except outputs.OutputWriteError as e:
+      raise OutputError(str(e), result, e.staging) from None
+  return result
 
 
 def length_buckets(queues: dict[int, list[int]], predicted: dict[int, float]) -> list[dict]:

@@ -354,8 +354,30 @@ def _check_finite(name: str, values, resp, step: int) -> None:
 
 def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -> list[dict]:
   """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
-  `stop_after`: return after that step (tests: an in-process interruption)."""
+  `stop_after`: return after that step (tests: an in-process interruption).
+  output_dir is checked and locked before anything is compiled: a second run on it fails at
+  once naming the holder's pid (two runs would interleave checkpoints and history)."""
   validate(config)  # before the heavy imports: a bad field fails in well under a second
+  from flexfloor_jax.policy import outputs
+  try:
+    outputs.check_dir(config.output_dir, "output_dir")
+  except outputs.OutputDirError as e:
+    raise TrainError(str(e)) from None
+  import jax
+  lock = None
+  if jax.process_index() == 0:  # the process that writes history and metrics
+    try:
+      lock = outputs.acquire(config.output_dir, "output_dir")
+    except outputs.OutputDirError as e:
+      raise TrainError(str(e)) from None
+  try:
+    return _train(config, stop_after=stop_after, progress=progress)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   import jax
   import optax
 

@@ -1,0 +1,358 @@
+"""A run's output directory: checked and locked before anything is compiled, and the run's files
+published all-or-nothing. Host side: stdlib only (no numpy, no jax).
+
+Layout of <output_dir>:
+  .lock                         held while a run writes here: "<pid> <host>" of the holder (flock)
+  .staging/<run_id>/            a set being written; left, and named in the error, when writing
+                                fails (the responses are written first, so they survive)
+  .published/<run_id>/          complete sets: the current one and the one before (a reader may
+                                still be reading it)
+  latest -> .published/<run_id> the pointer; replacing it (one rename) is the publish
+  responses.jsonl -> latest/responses.jsonl, summary.json -> latest/summary.json, ...
+                                one fixed link per name in the set, so the usual paths work
+
+Why this shape: a set of files cannot be replaced by renaming the files one by one (a kill between
+two renames leaves files of two runs side by side), and a directory cannot be renamed over a
+non-empty one; a symbolic link can be. Every fixed name resolves through `latest`, so at any
+moment all of them show one run's set (a name the current set lacks is missing, never another
+run's file). A reader who opens several files while a run publishes may straddle the switch;
+resolving `latest` once (os.path.realpath) reads one set, and summary.json carries its run_id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+
+LOCK_NAME = ".lock"
+STAGING = ".staging"
+PUBLISHED = ".published"
+LATEST = "latest"
+
+log = logging.getLogger(__name__)
+
+
+class OutputDirError(Exception):
+  """The output directory cannot be used; the message names the config field and the path."""
+
+
+class OutputWriteError(OutputDirError):
+  """Writing the outputs failed (disk full, read-only filesystem, ...). `staging`: the directory
+  holding what was written before the failure (kept); `kept`: those names."""
+
+  def __init__(self, msg: str, staging: str | None = None, kept: tuple[str, ...] = ()):
+    super().__init__(msg)
+    self.staging, self.kept = staging, kept
+
+
+def os_error_text(e: OSError) -> str:
+  code = errno.errorcode.get(e.errno, "") if e.errno else ""
+  return f"{e.strerror or e}" + (f" ({code})" if code else "")
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def check_dir(path: str, field: str = "output_dir") -> str:
+  """Create `path` if missing and make sure this process can write files and symbolic links in
+  it (the publish needs both): an existing file, a path under a file, a read-only filesystem or
+  a directory without write permission fail here, naming `field` and the path, instead of after
+  the run. Returns the path."""
+  if not isinstance(path, str) or not path:
+    raise OutputDirError(f"{field} must be a non-empty path, got {path!r}")
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise OutputDirError(f"{field}: {path} exists and is not a directory")
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise OutputDirError(f"{field}: cannot create the directory {path}: {os_error_text(e)}") from None
+  probe = os.path.join(path, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  made = []
+  try:
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    made.append(probe)
+    os.symlink(os.path.basename(probe), probe + ".link")
+    made.append(probe + ".link")
+  except OSError as e:
+    what = "symbolic links (the outputs are published through one)" if made else "files"
+    raise OutputDirError(f"{field}: cannot write {what} in {path}: {os_error_text(e)}") from None
+  finally:
+    for p in made:
+      with contextlib.suppress(OSError):
+        os.unlink(p)
+  return path
+
+
+# ----------------------------------------------------------------------------- lock
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  try:  # a zombie (killed, not yet reaped) holds nothing
+    with open(f"/proc/{pid}/status") as f:
+      return not any(ln.startswith("State:") and "Z" in ln for ln in f)
+  except OSError:
+    return True
+
+
+def _read_holder(fd: int) -> tuple[int | None, str]:
+  try:
+    text = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
+    return int(text[0]), (text[1] if len(text) > 1 else "")
+  except (OSError, ValueError, IndexError):
+    return None, ""
+
+
+class DirLock:
+  """The lock of an output directory; release() (or leaving a `with` block) frees it and
+  removes the lock file."""
+
+  def __init__(self, path: str, lock_path: str, fd: int):
+    self.path, self.lock_path, self._fd = path, lock_path, fd
+
+  def release(self) -> None:
+    if self._fd is None:
+      return
+    with contextlib.suppress(OSError):  # removed while held: whoever opens it next retries
+      os.unlink(self.lock_path)
+    os.close(self._fd)  # drops the flock
+    self._fd = None
+
+  @property
+  def held(self) -> bool:
+    return self._fd is not None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.release()
+
+
+def acquire(path: str, field: str = "output_dir") -> DirLock:
+  """Lock output directory `path` for this run (checked first, see check_dir). Another live run
+  holding it: OutputDirError naming `field`, the path and the holder's pid. A lock left by a run
+  that died (kill -9, a crash: its flock is gone, or its pid on this host is not running) is
+  taken over with a warning naming that pid."""
+  check_dir(path, field)
+  lock_path = os.path.join(path, LOCK_NAME)
+  host = socket.gethostname()
+  for _ in range(100):
+    try:
+      fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+      raise OutputDirError(f"{field}: cannot create the lock file {lock_path}: {os_error_text(e)}") from None
+    try:
+      busy = not _flock(fd)
+      pid, pid_host = _read_holder(fd)
+      # A filesystem without working flock: the pid decides (this host's processes only).
+      if not busy and pid is not None and pid_host == host and pid != os.getpid():
+        busy = _pid_alive(pid)
+      if busy:
+        raise OutputDirError(
+            f"{field}: {path} is in use by another run (pid {pid if pid is not None else '?'}"
+            f"{' on ' + pid_host if pid_host and pid_host != host else ''}; lock file "
+            f"{lock_path}): wait for it to finish or choose another {field}")
+      try:  # the holder removed the file after we opened it: lock the new one instead
+        same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+      except FileNotFoundError:
+        same = False
+      if not same:
+        os.close(fd)
+        continue
+      if pid is not None:
+        log.warning("%s: taking over the lock of %s left by pid %d%s, which is no longer "
+                    "running (killed or crashed?)", field, path, pid,
+                    f" on {pid_host}" if pid_host else "")
+      os.ftruncate(fd, 0)
+      os.pwrite(fd, f"{os.getpid()} {host}\n".encode(), 0)
+      return DirLock(path, lock_path, fd)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.close(fd)
+      raise
+  raise OutputDirError(f"{field}: could not lock {path} ({lock_path} keeps changing)")
+
+
+def _flock(fd: int) -> bool:
+  """Exclusive, non-blocking; True when locked (or when the filesystem has no flock at all)."""
+  try:
+    import fcntl
+  except ImportError:  # not POSIX: the pid check alone
+    return True
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return True
+  except BlockingIOError:
+    return False
+  except OSError as e:
+    if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+      return True
+    raise
+
+
+# ----------------------------------------------------------------------------- the set
+
+
+def new_run_id() -> str:
+  """Sortable by start time, unique across processes and hosts."""
+  return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class OutputSet:
+  """The files of one run: written under <out>/.staging/<run_id>/, then publish()ed at once.
+
+    s = OutputSet(out, "rollout.output_dir")
+    s.write("responses.jsonl", text)          # first: kept if a later write fails
+    with s.writing("timeline.png") as path:   # for writers that take a path
+      plot(path)
+    s.publish()
+
+  Files are created with open() (mode 0666 less the umask). Any OSError while writing becomes
+  OutputWriteError naming the file and the staging directory, which keeps what was written; no
+  partial set is ever published."""
+
+  def __init__(self, out: str, field: str = "output_dir", run_id: str | None = None):
+    self.out, self.field = out, field
+    self.run_id = run_id or new_run_id()
+    self.staging = os.path.join(out, STAGING, self.run_id)
+    self.written: list[str] = []
+    with self.writing(None):
+      os.makedirs(self.staging)
+
+  @contextlib.contextmanager
+  def writing(self, name: str | None):
+    """Yields the staging path of `name` (its parent directories made); an OSError inside
+    becomes OutputWriteError naming that path."""
+    path = self.staging if name is None else os.path.join(self.staging, name)
+    try:
+      if name is not None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+      yield path
+    except OSError as e:
+      kept = tuple(self.written)
+      where = (f"the files written so far ({', '.join(kept)}) are kept in {self.staging}"
+               if kept else "nothing could be kept")
+      raise OutputWriteError(f"{self.field}: writing {path} failed: {os_error_text(e)}; nothing was "
+                             f"published ({where})", self.staging if kept else None,
+                             kept) from None
+    if name is not None:
+      self.written.append(name)
+
+  def write(self, name: str, data: str | bytes) -> str:
+    with self.writing(name) as path:
+      with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
+    return path
+
+  def publish(self) -> str:
+    """Make this set the directory's current one (see the module docstring); returns its final
+    directory. Every step before the pointer's replacement leaves the previous set showing."""
+    with self.writing(None):
+      _fsync_tree(self.staging)
+    out = self.out
+    final = os.path.join(out, PUBLISHED, self.run_id)
+    latest = os.path.join(out, LATEST)
+    try:
+      os.makedirs(os.path.join(out, PUBLISHED), exist_ok=True)
+      os.rename(self.staging, final)
+      previous = _link_target(latest)
+      names = sorted({n.split("/")[0].split(os.sep)[0] for n in self.written})
+      # the fixed links first: until the pointer moves they show the previous set
+      for name in names:
+        _point(os.path.join(out, name), os.path.join(LATEST, name))
+      _point(latest, os.path.join(PUBLISHED, self.run_id))  # the publish
+    except OSError as e:
+      raise OutputWriteError(f"{self.field}: publishing {final} in {out} failed: {os_error_text(e)}",
+                             final if os.path.isdir(final) else self.staging,
+                             tuple(self.written)) from None
+    _fsync_dir(out)
+    self._tidy(names, previous)
+    return final
+
+  def _tidy(self, names, previous: str | None) -> None:
+    """After the publish: fixed links of names this set lacks (dangling now), and sets other than
+    this one and the previous one. Failures here lose nothing: a warning."""
+    out = self.out
+    try:
+      for entry in os.listdir(out):
+        p = os.path.join(out, entry)
+        if entry not in names and _link_target(p) == os.path.join(LATEST, entry):
+          os.unlink(p)
+        elif entry.startswith(_TMP_LINK) and os.path.islink(p):  # left by a killed publish
+          os.unlink(p)
+      keep = {self.run_id, os.path.basename(previous or "")}
+      root = os.path.join(out, PUBLISHED)
+      for entry in os.listdir(root):
+        if entry not in keep:
+          shutil.rmtree(os.path.join(root, entry))
+      with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(out, STAGING))  # only when empty
+    except OSError as e:
+      log.warning("%s: tidying %s after publishing failed: %s", self.field, out, os_error_text(e))
+
+
+def _link_target(path: str) -> str | None:
+  try:
+    return os.readlink(path)
+  except OSError:
+    return None
+
+
+_TMP_LINK = ".link-"
+
+
+def _point(path: str, target: str) -> None:
+  """Make `path` a symbolic link to `target` (relative), replacing what is there in one rename.
+  A directory there (an older version's layout wrote files in place) is moved into .published/
+  first, where the next tidy removes it: a kill in between leaves the name missing, not mixed."""
+  if _link_target(path) == target:
+    return
+  d, base = os.path.split(path)
+  if os.path.isdir(path) and not os.path.islink(path):
+    os.rename(path, os.path.join(d, PUBLISHED, f"old-{base}-{uuid.uuid4().hex[:8]}"))
+  tmp = os.path.join(d, f"{_TMP_LINK}{uuid.uuid4().hex[:8]}")
+  os.symlink(target, tmp)
+  try:
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def _fsync_tree(root: str) -> None:
+  """The set reaches the disk before it is published (a power loss then cannot publish a set
+  whose files are empty)."""
+  for d, _, files in os.walk(root):
+    for name in files:
+      fd = os.open(os.path.join(d, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    _fsync_dir(d)
+
+
+def _fsync_dir(d: str) -> None:
+  try:
+    fd = os.open(d, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:  # some filesystems refuse fsync on a directory
+    pass
+  finally:
+    os.close(fd)
