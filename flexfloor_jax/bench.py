@@ -414,7 +414,7 @@ def write_outputs(doc, timelines, records, out_dir: str) -> str:
   """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
   (policy/outputs.py); returns the set's directory. Raises outputs.OutputWriteError naming the
   file."""
-  s = outputs.OutputSet(out_dir, "output_dir")
+  s = outputs.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
   s.write("bench.json", json.dumps(doc, indent=2))
   for (name, k), rec in records.items():
     s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))

@@ -187,13 +187,16 @@ def check_finite_logprobs(responses: list[dict], epoch: int) -> None:
                        "was written")
 
 
+ROLLOUT_OUTPUTS = ("responses.jsonl", "summary.json", "timeline.png", "history.json")
+
+
 def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, title: str,
                     history: scheduler.LengthHistory, history_path: str) -> str:
   """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
   timeline.png and, when it lives in `out`, history.json, published as one set; returns the
   set's directory. Raises outputs.OutputWriteError naming the file. A history file elsewhere
   (scheduler.history_path) is replaced on its own after the set is published."""
-  s = outputs.OutputSet(out, "rollout.output_dir")
+  s = outputs.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS)
   s.write("responses.jsonl",
           "".join(json.dumps(jsonable(x), allow_nan=False) + "\n" for x in responses))
   s.write("summary.json", json.dumps(dict(jsonable(summary, nonfinite_to_none=True),

@@ -71,7 +71,8 @@ def check_dir(path: str, field: str = "output_dir") -> str:
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
-    raise OutputDirError(f"{field}: cannot create the directory {path}: {os_error_text(e)}") from None
+    raise OutputDirError(
+        f"{field}: cannot create the directory {path}: {os_error_text(e)}") from None
   probe = os.path.join(path, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   made = []
   try:
@@ -152,7 +153,8 @@ def acquire(path: str, field: str = "output_dir") -> DirLock:
     try:
       fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-      raise OutputDirError(f"{field}: cannot create the lock file {lock_path}: {os_error_text(e)}") from None
+      raise OutputDirError(
+          f"{field}: cannot create the lock file {lock_path}: {os_error_text(e)}") from None
     try:
       busy = not _flock(fd)
       pid, pid_host = _read_holder(fd)
@@ -221,10 +223,13 @@ class OutputSet:
 
   Files are created with open() (mode 0666 less the umask). Any OSError while writing becomes
   OutputWriteError naming the file and the staging directory, which keeps what was written; no
-  partial set is ever published."""
+  partial set is ever published. `owns`: every name this writer may publish; one this set lacks
+  that an older version wrote in place (a plain file) is retired with the previous set, so it
+  does not stay beside the new one."""
 
-  def __init__(self, out: str, field: str = "output_dir", run_id: str | None = None):
-    self.out, self.field = out, field
+  def __init__(self, out: str, field: str = "output_dir", run_id: str | None = None,
+               owns: tuple[str, ...] = ()):
+    self.out, self.field, self.owns = out, field, tuple(owns)
     self.run_id = run_id or new_run_id()
     self.staging = os.path.join(out, STAGING, self.run_id)
     self.written: list[str] = []
@@ -244,8 +249,8 @@ class OutputSet:
       kept = tuple(self.written)
       where = (f"the files written so far ({', '.join(kept)}) are kept in {self.staging}"
                if kept else "nothing could be kept")
-      raise OutputWriteError(f"{self.field}: writing {path} failed: {os_error_text(e)}; nothing was "
-                             f"published ({where})", self.staging if kept else None,
+      raise OutputWriteError(f"{self.field}: writing {path} failed: {os_error_text(e)}; nothing "
+                             f"was published ({where})", self.staging if kept else None,
                              kept) from None
     if name is not None:
       self.written.append(name)
@@ -272,9 +277,14 @@ class OutputSet:
       # the fixed links first: until the pointer moves they show the previous set
       for name in names:
         _point(os.path.join(out, name), os.path.join(LATEST, name))
+      for name in sorted(set(self.owns) - set(names)):
+        p = os.path.join(out, name)
+        if os.path.lexists(p) and not os.path.islink(p):
+          _retire(p)
       _point(latest, os.path.join(PUBLISHED, self.run_id))  # the publish
     except OSError as e:
-      raise OutputWriteError(f"{self.field}: publishing {final} in {out} failed: {os_error_text(e)}",
+      raise OutputWriteError(f"{self.field}: publishing {final} in {out} failed: "
+                             f"{os_error_text(e)}",
                              final if os.path.isdir(final) else self.staging,
                              tuple(self.written)) from None
     _fsync_dir(out)
@@ -295,8 +305,13 @@ class OutputSet:
       keep = {self.run_id, os.path.basename(previous or "")}
       root = os.path.join(out, PUBLISHED)
       for entry in os.listdir(root):
-        if entry not in keep:
-          shutil.rmtree(os.path.join(root, entry))
+        p = os.path.join(root, entry)
+        if entry in keep:
+          continue
+        if os.path.isdir(p) and not os.path.islink(p):
+          shutil.rmtree(p)
+        else:  # a retired in-place file of an older version
+          os.unlink(p)
       with contextlib.suppress(OSError):
         os.rmdir(os.path.join(out, STAGING))  # only when empty
     except OSError as e:
@@ -319,9 +334,9 @@ def _point(path: str, target: str) -> None:
   first, where the next tidy removes it: a kill in between leaves the name missing, not mixed."""
   if _link_target(path) == target:
     return
-  d, base = os.path.split(path)
+  d = os.path.dirname(path)
   if os.path.isdir(path) and not os.path.islink(path):
-    os.rename(path, os.path.join(d, PUBLISHED, f"old-{base}-{uuid.uuid4().hex[:8]}"))
+    _retire(path)
   tmp = os.path.join(d, f"{_TMP_LINK}{uuid.uuid4().hex[:8]}")
   os.symlink(target, tmp)
   try:
@@ -330,6 +345,12 @@ def _point(path: str, target: str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
+
+
+def _retire(path: str) -> None:
+  """Move an older version's in-place output into .published/, where the next tidy removes it."""
+  d, base = os.path.split(path)
+  os.rename(path, os.path.join(d, PUBLISHED, f"old-{base}-{uuid.uuid4().hex[:8]}"))
 
 
 def _fsync_tree(root: str) -> None:
