@@ -119,6 +119,17 @@ def _same_responses(a: list[dict], b: list[dict]) -> bool:
   return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
 
 
+def validate_bench(config) -> None:
+  """The bench's own fields (runner.RolloutError naming the field)."""
+  from flexfloor_jax import runner, sim
+  if config.epochs < 1 or config.repeats < 1:
+    raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
+                              f"{config.repeats}")
+  if config.roofline_hardware not in sim.HARDWARE:
+    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(sim.HARDWARE)}, got "
+                              f"{config.roofline_hardware!r}")
+
+
 def run_bench(config, *, progress: bool = True):
   """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
   run record}) (what write_outputs() writes)."""
@@ -128,12 +139,7 @@ def run_bench(config, *, progress: bool = True):
   from flexfloor_jax import runner, sim
   from flexfloor_jax.policy import scheduler
 
-  if config.epochs < 1 or config.repeats < 1:
-    raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
-                              f"{config.repeats}")
-  if config.roofline_hardware not in sim.HARDWARE:
-    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(sim.HARDWARE)}, got "
-                              f"{config.roofline_hardware!r}")
+  validate_bench(config)
   pool = engine_lib.StepCachePool(engine_lib)
   hw = sim.HARDWARE[config.roofline_hardware]
   history = scheduler.LengthHistory()
@@ -439,6 +445,7 @@ def main(argv):
   try:  # every field checked before jax starts, as the rollout CLI does
     cli.validate_common(config)
     runner.validate_config(config)
+    validate_bench(config)
   except (ConfigError, runner.RolloutError) as e:
     fail(str(e))
   try:  # checked and locked before jax starts: a second bench on this directory fails at once

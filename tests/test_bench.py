@@ -84,7 +84,10 @@ def test_bench_outputs(small_bench):
   assert names == sorted(f"{n}_e{k}.json" for n in ("static", "balanced", "flexfloor",
                                                     "release_only", "release_compaction")
                          for k in (0, 1))
-  assert not [p for p in out.rglob(".*")]  # no temp files left behind
+  # published as one set (policy/outputs.py), no temp files or staging left behind
+  assert sorted(p.name for p in out.iterdir()) == [".published", "bench.json", "bench.png",
+                                                   "latest", "runs"]
+  assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
   doc = json.loads((out / "bench.json").read_text())
   table = bench.format_table(doc)
   assert "paper 1.654" in table and "release_only/static" in table
