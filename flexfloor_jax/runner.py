@@ -213,8 +213,9 @@ def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, ti
       history.save(history_path)
     except OSError as e:
       raise outputs.OutputWriteError(
-          f"scheduler.history_path: writing {history_path} failed: {outputs.os_error_text(e)} (the "
-          f"outputs were published in {final})", final, tuple(s.written)) from None
+          f"scheduler.history_path: writing {history_path} failed: "
+          f"{outputs.os_error_text(e)} (the outputs were published in {final})", final,
+          tuple(s.written)) from None
   return final
 
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -132,7 +133,7 @@ _HOLD = ("import os, sys; from flexfloor_jax.policy import outputs; "
 
 
 def test_second_run_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, model, no_compile,
-                                                                    caplog):
+                                                                    caplog, monkeypatch):
   """Before: two runs on one directory both exited 0, and one run's lengths vanished from
   history.json."""
   out = tmp_path / "out"
@@ -160,9 +161,14 @@ def test_second_run_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, mo
   assert os.listdir(out) == []  # released: no lock file left
   with outputs.acquire(str(out)):  # and free again, without a warning
     pass
-  # a pid in a lock file on a filesystem without working flock: a dead pid is stale ...
-  (out / outputs.LOCK_NAME).write_text(f"{holder.pid} {os.uname().nodename}\n")
+  # without the flock (a filesystem that has none), the pid decides: dead is stale, and this
+  # process's own pid, alive, is busy
+  (out / outputs.LOCK_NAME).write_text(f"{holder.pid} {socket.gethostname()}\n")
   outputs.acquire(str(out)).release()
+  monkeypatch.setattr(outputs, "_flock", lambda fd: True)
+  (out / outputs.LOCK_NAME).write_text(f"{os.getppid()} {socket.gethostname()}\n")
+  with pytest.raises(outputs.OutputDirError, match=f"pid {os.getppid()}"):
+    outputs.acquire(str(out))
 
 
 # ----------------------------------------------------------------------------- 3. publish
