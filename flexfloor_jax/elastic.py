@@ -189,8 +189,8 @@ def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
 
   One jitted shard_map `ppermute` over that mesh moves every block (gloo collectives; a plain
   device_put between devices of different processes is not implemented on CPU, and a device_put
-  onto the same devices in another order aborts in `_different_device_order_reshard` when a
-  process holds a different number of the mesh's devices than it would after the reordering).
+  onto the same devices in another order aborted the process in `_different_device_order_reshard`,
+  a failed check in PjRt's RemapArrays, on a mesh split unevenly over the processes).
   The ppermute's device order is the mesh's, the same on every process. Compiled once per
   (mesh, moves, shapes), then a barrier: its first collective must not start on one process
   while the other is still compiling it."""
