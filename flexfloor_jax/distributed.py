@@ -66,6 +66,34 @@ def _on_cpu() -> bool:
     return True
 
 
+# ----------------------------------------------------------------------------- barriers
+
+# How long a process waits at a barrier for the others. Generous on purpose: the processes
+# compile the same executables in different times (another job on the host, a colder compile
+# cache), and the wait before a new mesh's first collective must absorb all of that.
+SYNC_TIMEOUT_S = float(os.environ.get("FLEXFLOOR_SYNC_TIMEOUT_S", "1800"))
+_sync_counter = 0
+
+
+def sync(tag: str, timeout_s: Optional[float] = None) -> None:
+  """Every process reaches this point before any goes on (multi-process; else a no-op).
+
+  Called before the first collective of each newly compiled executable. Gloo builds a
+  communicator at the first collective over a set of devices, and waits for the other processes'
+  keys there with a short timeout of its own, not configurable from JAX: a process that got
+  there a compile earlier would fail with `GetKeyValue() timed out`. This barrier, in the
+  coordination service, waits `timeout_s` instead. `tag` names the point in a timeout error, and
+  differing tags (processes out of step) time out rather than pair up wrongly. Every process must
+  call this in the same order."""
+  import jax
+  if jax.process_count() == 1:
+    return
+  global _sync_counter
+  _sync_counter += 1
+  timeout = SYNC_TIMEOUT_S if timeout_s is None else timeout_s
+  _kv_client().wait_at_barrier(f"flexfloor/sync/{_sync_counter}/{tag}", int(timeout * 1000))
+
+
 # ----------------------------------------------------------------------------- host reads
 
 _read_counter = 0
@@ -93,10 +121,12 @@ def host_values(arrays):
   key = f"flexfloor/host/{_read_counter}"
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = arrays[0].sharding.mesh
-  ck = (mesh, len(arrays))
+  ck = (mesh, tuple((a.shape, a.dtype, a.sharding) for a in arrays))
   if ck not in _gather_fns:
     rep = NamedSharding(mesh, P())
-    _gather_fns[ck] = jax.jit(_identity, out_shardings=tuple(rep for _ in arrays))
+    _gather_fns[ck] = jax.jit(_identity, out_shardings=tuple(rep for _ in arrays)).lower(
+        *arrays).compile()
+    sync(f"gather/{mesh.size}")  # first all-gather on this mesh: every process compiled it
   gathered = _gather_fns[ck](*arrays)
   pid = jax.process_index()
   inside = sorted({d.process_index for d in mesh.devices.reshape(-1)})

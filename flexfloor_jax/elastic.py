@@ -9,7 +9,7 @@ it, with transfers that can be counted:
   single-device `take`, sent with a `jax.device_put` to its new device (the bytes counted are
   those transfers), and written into an empty slot by a compiled single-device `put` that donates
   the survivor's buffer, so the survivor's existing buffers stay where they are (multi-controller:
-  SPMD `extract`/`insert` steps around a permuting reshard instead);
+  SPMD `extract`/`insert` steps around a `ppermute` over the old mesh instead, `route_rows`);
 - a migrated sequence (compaction) moves its KV rows and slot state the same way: a single-device
   `take`, one transfer, a donating `put` (RowMovers; multi-controller: the SPMD steps).
 The SPMD movers are compiled per mesh ahead of time with the decode step (StepSet.compile), the
@@ -178,30 +178,45 @@ def reassemble(arr: jax.Array, sharding: NamedSharding, shape, buffers: dict | N
   return assemble(by_dev, sharding, shape, arr.dtype)
 
 
+_route_fns: dict = {}  # (mesh, source->destination pairs, row shapes) -> compiled ppermute
+
+
 def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
   """Multi-controller row transfer: the block at mesh position p of each array in `rows`
-  (sharded one block per device over `devs`) goes to device dst_of_src[p], by a device_put onto
-  the same devices in a permuted order (gloo collectives; a plain device_put between devices of
-  different processes is not implemented on CPU). Returns {name: {dst device: buffer}} for this
-  process's destination devices."""
-  n = len(devs)
-  perm = [None] * n  # perm[p] = device that receives block p
-  used = set(dst_of_src.values())
-  for p, d in dst_of_src.items():
-    perm[p] = d
-  free = [d for d in devs if d not in used]
-  for p in range(n):  # the others stay put where they can
-    if perm[p] is None and devs[p] in free:
-      perm[p] = devs[p]
-      free.remove(devs[p])
-  for p in range(n):
-    if perm[p] is None:
-      perm[p] = free.pop(0)
-  mesh = mesh_lib.make_ep_mesh(perm)
+  (sharded one block per device over `devs`, the mesh the rows were extracted on) goes to device
+  dst_of_src[p], which is in the same mesh. Returns {name: {dst device: buffer}} for this
+  process's destination devices.
+
+  One jitted shard_map `ppermute` over that mesh moves every block (gloo collectives; a plain
+  device_put between devices of different processes is not implemented on CPU, and a device_put
+  onto the same devices in another order aborted the process in `_different_device_order_reshard`,
+  a failed check in PjRt's RemapArrays, on a mesh split unevenly over the processes).
+  The ppermute's device order is the mesh's, the same on every process. Compiled once per
+  (mesh, moves, shapes), then a barrier: its first collective must not start on one process
+  while the other is still compiling it."""
+  pos = {d: i for i, d in enumerate(devs)}
+  perm = tuple(sorted((int(p), pos[d]) for p, d in dst_of_src.items()))
+  names = sorted(rows)
+  mesh = rows[names[0]].sharding.mesh
+  key = (mesh, perm, tuple((k, rows[k].shape, rows[k].dtype, rows[k].sharding.spec)
+                           for k in names))
+  fn = _route_fns.get(key)
+  if fn is None:
+    axis = mesh.axis_names[0]
+    specs = {k: rows[k].sharding.spec for k in names}
+
+    def local(t):
+      return {k: jax.lax.ppermute(x, axis, perm) for k, x in t.items()}
+
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs,
+                               check_vma=False)).lower({k: rows[k] for k in names}).compile()
+    from flexfloor_jax import distributed
+    distributed.sync(f"route/{mesh.size}")
+    _route_fns[key] = fn
+  moved = fn({k: rows[k] for k in names})
   out = {}
-  for name, a in rows.items():
-    moved = jax.device_put(a, NamedSharding(mesh, a.sharding.spec))
-    local = shards_by_device(moved)
+  for name in rows:
+    local = shards_by_device(moved[name])
     out[name] = {d: local[d] for d in dst_of_src.values() if d in local}
   return out
 
@@ -234,7 +249,7 @@ def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, i
       dst_idx[dp] = dr
     rows = stepset[f"extract_{group}"](tree, jax.device_put(src_idx, wsh))
     new_rows = {}
-    if jax.process_count() > 1:  # no cross-host device_put: a permuting reshard instead
+    if jax.process_count() > 1:  # no cross-host device_put: a ppermute over the mesh instead
       routed = route_rows(rows, {sp: devs[dp] for sp, _, dp, _ in rnd}, devs)
       for name, r in rows.items():
         moved_bytes += len(rnd) * (r.nbytes // n)

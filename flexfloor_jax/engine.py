@@ -317,6 +317,10 @@ class StepSet:
       self._compiled["prefill"] = self._prefill_jit().lower(*self.prefill_args_abstract()).compile()
       self._compiled["decode"] = self._decode_jit().lower(*self.decode_args_abstract()).compile()
       self._compiled.update(elastic.compile_movers(self))
+      # Multi-controller: the next collectives (warm-up, else the first step) are this mesh's
+      # first, where gloo builds its communicator with a short timeout of its own; the processes
+      # compile in different times, so they meet at a barrier (long timeout) first.
+      distributed.sync(f"mesh/{self.mesh.size}")
       if self.spec.warm_up:
         self.warm_up()
     return self
@@ -826,21 +830,31 @@ class Engine:
   def _move_experts_routed(self, moves, new_ss, new_active) -> tuple[dict, int]:
     """Expert moves by the StepSets' SPMD steps: extract on the old mesh, a transfer (one
     process: a device_put per moved expert; multi-controller, where a cross-host device_put is
-    not implemented: a permuting reshard), SPMD insert into the survivors' empty slots on the
-    new mesh. Returns (experts over the new mesh, bytes this process counted)."""
+    not implemented: a ppermute over the old mesh, elastic.route_rows), SPMD insert into the
+    survivors' empty slots on the new mesh. Returns (experts over the new mesh, bytes this
+    process counted)."""
     old_ss = self.stepset
     old_pos = {w: i for i, w in enumerate(self.active)}
     new_pos = {w: i for i, w in enumerate(new_active)}
     moved_bytes = 0
     pieces = []  # (dst worker, dst slot, {name: buffer on dst, None on another process})
     devs_old = list(old_ss.mesh.devices.reshape(-1))
-    by_src = {}
-    for sw, ss_, dw, ds in moves:
-      by_src.setdefault(old_pos[sw], []).append((old_pos[sw], ss_, dw, ds))
-    for r in range(max((len(v) for v in by_src.values()), default=0)):
-      # Cut the moving experts out on the old mesh (one extract per slot round).
+    pending = [(old_pos[sw], ss_, dw, ds) for sw, ss_, dw, ds in moves]
+    while pending:
+      # Rounds with at most one expert per source and per destination (one extract per source
+      # device; the transfer gives each destination device one block). Every process builds the
+      # same rounds from the same plan, so they issue the same collectives in the same order.
+      rnd, used_src, used_dst, rest = [], set(), set(), []
+      for m in pending:
+        if m[0] in used_src or m[2] in used_dst:
+          rest.append(m)
+        else:
+          rnd.append(m)
+          used_src.add(m[0])
+          used_dst.add(m[2])
+      pending = rest
+      # Cut the moving experts out on the old mesh.
       idx = np.full((len(self.active),), -1, np.int32)
-      rnd = [v[r] for v in by_src.values() if len(v) > r]
       for sp, sslot, _, _ in rnd:
         idx[sp] = sslot
       rows = old_ss["extract_experts"](self.experts, jax.device_put(idx, old_ss.worker_sharding))

@@ -40,14 +40,14 @@ def _run(cmd, timeout):
   return proc, time.perf_counter() - t0
 
 
-def _rollout(out, schedule, processes):
-  args = [sys.executable, "-m", "flexfloor_jax.rollout", "--config=configs/mixtral.py", *SMALL,
+def _rollout(out, schedule, processes, options=SMALL, timeout=400):
+  args = [sys.executable, "-m", "flexfloor_jax.rollout", "--config=configs/mixtral.py", *options,
           f"--config.schedule={schedule}", f"--config.rollout.output_dir={out}"]
   if processes == 1:
-    return _run(args + ["--config.mesh.cpu_devices=8"], timeout=400)
+    return _run(args + ["--config.mesh.cpu_devices=8"], timeout=timeout)
   launch = [sys.executable, "-m", "flexfloor_jax.launch", f"--num_processes={processes}",
-            "--devices_per_process=4", "--timeout=400", "--"]
-  return _run(launch + args, timeout=450)
+            "--devices_per_process=4", f"--timeout={timeout}", "--"]
+  return _run(launch + args, timeout=timeout + 50)
 
 
 def _load(out):
@@ -107,3 +107,43 @@ def test_two_processes_match_one(tmp_path, schedule):
     released = {w for r in s2["releases"] for w in r["workers"]}
     assert released & {0, 1, 2, 3} and released & {4, 5, 6, 7}
     assert s2["device_steps"] < 8 * s2["makespan_steps"]  # process 0's devices left early
+
+
+# The command of issue 20 as a user runs it: the preset's default release sizes (8 -> 6 -> 4 -> 2
+# -> 1), so the mesh of 6 is split unevenly over the processes (2 + 4 devices) and migrations and
+# expert moves cross the process boundary on it.
+DEFAULT_SIZES = ["--config.rollout.lengths=workload", "--config.sampling.temperature=1.0",
+                 "--config.sampling.seed=5"]
+_BURN = "while True: pass"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # two full-size rollouts, one of them on cores it shares with 2 burners
+def test_default_release_sizes_under_load_match_one(tmp_path):
+  """flexfloor with every release size, 2 processes while 2 busy processes compete for the
+  cores: token-identical to one process. Before: SIGABRT in the first cross-process KV move
+  (device_put onto a reordered mesh), and under load a gloo `GetKeyValue() timed out` at a new
+  mesh's first collective while the processes' compiles drifted apart."""
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _, t1 = _rollout(one, "flexfloor", 1, DEFAULT_SIZES)
+  burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(2)]
+  try:
+    _, t2 = _rollout(two, "flexfloor", 2, DEFAULT_SIZES, timeout=1200)
+  finally:
+    for b in burners:
+      b.kill()
+      b.wait()
+  print(f"default release sizes: 1 process {t1:.1f}s, 2 processes under load {t2:.1f}s")
+  ref, s1 = _load(one)
+  got, s2 = _load(two)
+  assert s2["release_sizes"] == s1["release_sizes"] and 6 in s2["release_sizes"]
+  key = lambda rows: [(r["prompt_id"], r["sample"]) for r in rows]
+  assert key(got) == key(ref)
+  for a, b in zip(ref, got):
+    assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
+    assert a["logprobs"] == b["logprobs"]
+  assert [(r["workers"], r["final"], r["stats"].get("expert_moves")) for r in s2["releases"]] == \
+      [(r["workers"], r["final"], r["stats"].get("expert_moves")) for r in s1["releases"]]
+  assert s2["num_migrations"] == s1["num_migrations"] > 0  # KV rows moved between workers
+  # the release onto 6 workers (2 of process 0, 4 of process 1) moved experts
+  assert s2["releases"][0]["workers"] == [0, 1] and s2["releases"][0]["stats"]["expert_moves"] > 0

@@ -351,3 +351,28 @@ def test_max_seq_len_defaults_to_what_the_run_needs(params, tmp_path):
   longest = max(len(runner.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
   assert res.summary["max_seq_len"] == longest + 512
   assert all(r["num_tokens"] == 3 for r in res.responses)
+
+
+def test_route_rows_moves_blocks_within_the_mesh():
+  """The multi-controller transfer (a ppermute over the mesh the rows were extracted on): each
+  moved block lands on its destination device unchanged, also with a leading layer axis, and one
+  executable serves a repeat of the same moves."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flexfloor_jax import mesh as mesh_lib
+  devs = jax.devices()[:6]
+  mesh = mesh_lib.make_ep_mesh(devs)
+  ax = mesh.axis_names[0]
+  k = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2, 6, 3)  # [L, rows, ...]: row axis 1
+  s = np.arange(6 * 4, dtype=np.int32).reshape(6, 4)
+  rows = {"k": jax.device_put(k, NamedSharding(mesh, P(None, ax))),
+          "s": jax.device_put(s, NamedSharding(mesh, P(ax)))}
+  dst_of_src = {0: devs[3], 1: devs[5], 4: devs[0]}
+  n_fns = len(elastic._route_fns)
+  for _ in range(2):
+    out = elastic.route_rows(rows, dst_of_src, devs)
+    assert set(out["k"]) == set(dst_of_src.values())
+    for p, d in dst_of_src.items():
+      np.testing.assert_array_equal(np.asarray(out["k"][d]), k[:, p:p + 1])
+      np.testing.assert_array_equal(np.asarray(out["s"][d]), s[p:p + 1])
+      assert out["k"][d].devices() == {d}
+  assert len(elastic._route_fns) == n_fns + 1
