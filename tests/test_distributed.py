@@ -78,8 +78,11 @@ def test_launch_timeout(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["static", "flexfloor"])
+@pytest.mark.parametrize("schedule", ["static"])
 def test_two_processes_match_one(tmp_path, schedule):
+  """pow2 release sizes (every smaller mesh inside one process). flexfloor runs below with the
+  default sizes, whose releases also cross the process boundary (and leave process 0 without
+  devices), so one flexfloor case covers both."""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _, t1 = _rollout(one, schedule, 1)
   proc, t2 = _rollout(two, schedule, 2)
@@ -98,15 +101,6 @@ def test_two_processes_match_one(tmp_path, schedule):
   assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
   assert [(r["workers"], r["final"]) for r in s2["releases"]] == \
       [(r["workers"], r["final"]) for r in s1["releases"]]
-  if schedule == "flexfloor":
-    # workers 0-3 are process 0's devices, 4-7 process 1's
-    early = [r for r in s2["releases"] if not r["final"]]
-    released_early = {w for r in early for w in r["workers"]}
-    assert {0, 1, 2, 3} <= released_early, s2["releases"]  # all of process 0 released mid-run
-    assert any(r["stats"].get("expert_moves", 0) > 0 for r in early)  # experts moved p0 -> p1
-    released = {w for r in s2["releases"] for w in r["workers"]}
-    assert released & {0, 1, 2, 3} and released & {4, 5, 6, 7}
-    assert s2["device_steps"] < 8 * s2["makespan_steps"]  # process 0's devices left early
 
 
 # The command of issue 20 as a user runs it: the preset's default release sizes (8 -> 6 -> 4 -> 2
@@ -118,15 +112,16 @@ _BURN = "while True: pass"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # two full-size rollouts, one of them on cores it shares with 2 burners
+@pytest.mark.timeout(1800)  # two full-size rollouts, one of them on cores it shares with a burner
 def test_default_release_sizes_under_load_match_one(tmp_path):
-  """flexfloor with every release size, 2 processes while 2 busy processes compete for the
+  """flexfloor with every release size, 2 processes while a busy process competes for the
   cores: token-identical to one process. Before: SIGABRT in the first cross-process KV move
   (device_put onto a reordered mesh), and under load a gloo `GetKeyValue() timed out` at a new
   mesh's first collective while the processes' compiles drifted apart."""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _, t1 = _rollout(one, "flexfloor", 1, DEFAULT_SIZES)
-  burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(2)]
+  # One burner: with the suite's other worker it keeps both cores busy.
+  burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(1)]
   try:
     _, t2 = _rollout(two, "flexfloor", 2, DEFAULT_SIZES, timeout=1200)
   finally:
@@ -147,3 +142,9 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
   assert s2["num_migrations"] == s1["num_migrations"] > 0  # KV rows moved between workers
   # the release onto 6 workers (2 of process 0, 4 of process 1) moved experts
   assert s2["releases"][0]["workers"] == [0, 1] and s2["releases"][0]["stats"]["expert_moves"] > 0
+  # process 0's workers are all released mid-run; it follows the control loop without devices
+  early = [r for r in s2["releases"] if not r["final"]]
+  assert {0, 1, 2, 3} <= {w for r in early for w in r["workers"]}, s2["releases"]
+  assert s2["device_steps"] < 8 * s2["makespan_steps"]
+  for k in (0, 1):
+    assert os.path.isfile(os.path.join(two, f"process_{k}.log"))

@@ -97,9 +97,13 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
           "--config.rl.num_prompts=4", "--config.rl.task_size=2",
           f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}",
           "--config.rl.routing_replay=true"]
-  # The trainer CLI reads the suite's persistent compilation cache (warmed by `straight`).
+  # The trainer CLI reads a copy of the suite's persistent compilation cache (warmed by
+  # `straight`): JAX writes cache entries in place, and the kill may land in the middle of one
+  # that this process or the other xdist worker would read.
+  cache = tmp_path / "jax_cache"
+  shutil.copytree(CACHE, cache, dirs_exist_ok=True)
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             FLEXFLOOR_JAX_CACHE=CACHE)
+             FLEXFLOOR_JAX_CACHE=str(cache))
   proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   meta = tmp_path / "checkpoints" / "step_2" / "meta.json"
