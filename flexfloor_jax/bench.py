@@ -95,7 +95,10 @@ def _seqs_for(config):
   from flexfloor_jax.tokenizer import load_tokenizer
   if config.model.checkpoint:
     from flexfloor_jax.model import checkpoint as ckpt
-    model_cfg = runner._inspect_checkpoint(ckpt, config.model.checkpoint)
+    try:
+      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise runner.RolloutError(f"model.checkpoint: {e}") from None
   else:
     model_cfg = PRESETS[config.preset]
   model_cfg = model_cfg.replace(dtype=config.model.dtype)

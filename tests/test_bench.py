@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from flexfloor_jax import bench
@@ -138,3 +139,30 @@ def test_cli_prints_the_table(tmp_path):
   assert "epoch 0" in r.stderr  # the progress bar
   doc = json.loads((tmp_path / "out" / "bench.json").read_text())
   assert [e["epoch"] for e in doc["epochs"]] == [0] and "release_only" not in doc["epochs"][0]
+
+
+
+def test_sequences_from_a_checkpoint(tmp_path):
+  """The bench reads a Hugging Face checkpoint's shapes (it once called a runner function that no
+  longer existed, so `--config.model.checkpoint` crashed); a missing one names the field."""
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  import hf_utils
+  from flexfloor_jax import runner
+  hf = hf_utils.make_checkpoint(str(tmp_path / "ckpt"))
+  c = small_config(tmp_path)
+  c.model.checkpoint = str(tmp_path / "ckpt")
+  c.model.max_seq_len = 64
+  rng = np.random.default_rng(0)
+  with open(tmp_path / "prompts.jsonl", "w") as f:  # token ids: the checkpoint has no tokenizer
+    for i in range(c.rollout.num_prompts):
+      toks = rng.integers(3, hf.config.vocab_size, 5 + i).tolist()
+      f.write(json.dumps({"id": f"p{i}", "tokens": toks}) + "\n")
+  c.rollout.prompts = str(tmp_path / "prompts.jsonl")
+  seqs, model_cfg = bench._seqs_for(c)
+  assert (model_cfg.hidden_size, model_cfg.num_experts, model_cfg.num_layers) == (
+      hf.config.hidden_size, hf.config.num_local_experts, hf.config.num_hidden_layers)
+  assert len(seqs) == c.rollout.num_prompts * c.rollout.samples_per_prompt
+  c.model.checkpoint = str(tmp_path / "missing")
+  with pytest.raises(runner.RolloutError, match="model.checkpoint"):
+    bench._seqs_for(c)
