@@ -146,7 +146,7 @@ def validate_common(config) -> None:
 
 def load_config(name: str, preset: str = ""):
   """get_config(preset) of configs/<name>.py, loaded by path as config_flags loads config files
-  (configs/ is a folder of files, not a package)."""
+  (so that it works from any working directory)."""
   import importlib.util
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       f"{name}.py")

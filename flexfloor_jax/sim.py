@@ -303,19 +303,14 @@ class CostExecutor(stepsim.SimExecutor):
   """stepsim.SimExecutor whose clock advances by a cost model (cost=None: no time; the clock is
   then the step count). The stepping (what runs, when a dispatch stops, who finishes) is
   SimExecutor's own; only time is added, so device_steps are the same as a plain SimExecutor's
-  and the engine's. (engine.Engine.decode runs the first step after a release alone, to time
-  release -> first output, then goes on unless a stop condition fired, as here.
-  probe_after_release=True models an older engine that also stopped on any finish.)"""
+  and the engine's."""
 
   def __init__(self, seqs, num_workers, slots_per_worker, lengths=None, *, cost=None,
-               expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0,
-               probe_after_release: bool = False):
+               expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0):
     super().__init__(seqs, num_workers, slots_per_worker, lengths,
                      kv_bytes_per_token=kv_bytes_per_token, expert_placement=expert_placement,
                      expert_bytes=expert_bytes)
     self.cost = cost
-    self.probe_after_release = probe_after_release
-    self._probe = False
 
   def clock(self) -> float:
     return self.t if self.cost is not None else float(self.steps)
@@ -355,7 +350,7 @@ class CostExecutor(stepsim.SimExecutor):
       self.t += c.step_seconds(self._experts_held(), tok, tok, tok * tok / 2)
     return out
 
-  def _decode(self, max_steps, stop_on_refill, stop_on_idle):
+  def decode(self, max_steps, stop_on_refill, stop_on_idle):
     c = self.cost
     if c is None:
       return super().decode(max_steps, stop_on_refill, stop_on_idle)
@@ -375,16 +370,6 @@ class CostExecutor(stepsim.SimExecutor):
         self.t += c.step_seconds(held, live.sum(1).astype(float), ((ctx + j) * live).sum(1))
     return k, out
 
-  def decode(self, max_steps, stop_on_refill, stop_on_idle):
-    if self._probe and max_steps > 0:
-      self._probe = False
-      k, out = self._decode(1, stop_on_refill, stop_on_idle)
-      if out or k == 0 or max_steps == 1:
-        return k, out
-      k2, out2 = self._decode(max_steps - 1, stop_on_refill, stop_on_idle)
-      return k + k2, out + out2
-    return self._decode(max_steps, stop_on_refill, stop_on_idle)
-
   def migrate(self, moves):
     kv = super().migrate(moves)
     if isinstance(self.cost, LinearCost):
@@ -395,7 +380,6 @@ class CostExecutor(stepsim.SimExecutor):
 
   def shrink(self, new_active):
     stats = super().shrink(new_active)
-    self._probe = self.probe_after_release
     if isinstance(self.cost, LinearCost):
       s = self.cost.release
     elif self.cost is not None:
@@ -416,7 +400,7 @@ plan_rollout = plan.plan_rollout  # the runner's own placement + release policy
 def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, schedule: str,
            num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
            model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
-           compaction: bool = True, epoch: int = 0, probe_after_release: bool = False,
+           compaction: bool = True, epoch: int = 0,
            num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
            policy_cost=None, step_cost: str = "measured"):
   """One rollout through the real policy code on a cost model -> (metrics, record).
@@ -437,8 +421,7 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
   pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
-                    expert_bytes=model.expert_bytes if model else 0,
-                    probe_after_release=probe_after_release)
+                    expert_bytes=model.expert_bytes if model else 0)
   clock = ex.clock
   rec = controller.run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch,
                        clock=clock)

@@ -70,7 +70,7 @@ def _history(spec, epochs):
 @pytest.mark.parametrize("epoch", [0, 2])
 def test_replay_device_steps_equal_stepsim(schedule, placement, epoch):
   """The sim's executor only adds time: its device_steps are stepsim's, with or without a cost
-  model (probe_after_release off: plain SimExecutor stepping)."""
+  model, on either hardware."""
   spec = workload.WorkloadSpec()
   seqs, hist = workload.make_seqs(spec, epoch), _history(spec, epoch)
   args = (seqs, None, hist, schedule, 8, 4, 1)
@@ -78,17 +78,14 @@ def test_replay_device_steps_equal_stepsim(schedule, placement, epoch):
   queues, policy, _ = sim.plan_rollout(seqs, hist, schedule, 8, 4, 1, placement=placement,
                                        epoch=epoch)
   ref = stepsim.simulate(seqs, None, queues, policy, 8, 4, 8)
-  plain, _ = sim.replay(*args, probe_after_release=False, **kw)
+  plain, _ = sim.replay(*args, **kw)
   m = sim.MODELS["mixtral-8x7b"]
-  roof, _ = sim.replay(*args, probe_after_release=False, model=m,
-                       cost=sim.RooflineCost(m, sim.HARDWARE["tpu-v5p"]), **kw)
+  roof, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["tpu-v5p"]), **kw)
   assert plain["device_steps"] == ref["device_steps"] == roof["device_steps"]
   assert plain["generated_tokens"] == roof["generated_tokens"] == sum(s.target_len for s in seqs)
   assert roof["generation_wall_s"] > 0
-  # with the engine's probe step the cost model still changes nothing but time
-  a, _ = sim.replay(*args, **kw)
-  b, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["h100"]), **kw)
-  assert a["device_steps"] == b["device_steps"]
+  h100, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["h100"]), **kw)
+  assert h100["device_steps"] == ref["device_steps"]
 
 
 def test_roofline_fewer_workers_with_more_experts_cost_more():
