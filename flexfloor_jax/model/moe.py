@@ -52,7 +52,9 @@ def _dest_positions(dest_R: jax.Array, valid_R: jax.Array, n: int, cap: int) -> 
 
 
 def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
-  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret)
+  # num_groups: the weights may be the stack of every layer's slots, the tiles reference one layer's
+  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
+            num_groups=ep.slots_per_worker)
   h1 = grouped_matmul(x_PD, w1, plan.tile_group, plan.num_tiles_used, **kw)
   h3 = grouped_matmul(x_PD, w3, plan.tile_group, plan.num_tiles_used, **kw)
   return grouped_matmul(jax.nn.silu(h1) * h3, w2, plan.tile_group, plan.num_tiles_used, **kw)
