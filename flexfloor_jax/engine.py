@@ -18,9 +18,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 import threading
 import time
+import types
 from typing import Any, Optional, Sequence
 
 import jax
@@ -109,6 +111,14 @@ def state_shapes(spec: EngineSpec, n: int) -> dict[str, jax.ShapeDtypeStruct]:
           (nb, spec.max_seq_len, spec.cfg.num_layers, spec.cfg.top_k), jnp.int32)}
          if spec.record_routes else {}),
   }
+
+
+def state_bytes_per_worker(cfg: ModelConfig, slots_per_worker: int, max_seq_len: int,
+                           max_new_tokens: int, record_routes: bool = False) -> int:
+  """Bytes of one worker's slot state (`state_shapes` for one worker), without an EngineSpec."""
+  spec = types.SimpleNamespace(cfg=cfg, slots_per_worker=slots_per_worker, max_seq_len=max_seq_len,
+                               max_new_tokens=max_new_tokens, record_routes=record_routes)
+  return sum(math.prod(v.shape) * v.dtype.itemsize for v in state_shapes(spec, 1).values())
 
 
 def _unpack(st: dict) -> dict:
@@ -837,6 +847,7 @@ class Engine:
     by_src = {}
     for sw, ss_, dw, ds in moves:
       by_src.setdefault(old_pos[sw], []).append((old_pos[sw], ss_, dw, ds))
+    rows = None
     for r in range(max((len(v) for v in by_src.values()), default=0)):
       # Cut the moving experts out on the old mesh (one extract per slot round).
       idx = np.full((len(self.active),), -1, np.int32)
@@ -860,7 +871,9 @@ class Engine:
     # Write the moved experts into empty slots of the survivors (donated, in place).
     rows_abs = new_ss["rows_experts"]
     devs_new = list(new_ss.mesh.devices.reshape(-1))
-    dummy = new_ss["zeros_experts"]
+    # Workers that receive nothing in a round get a row of the last extract as filler (their
+    # index is -1: the insert drops it); the extract's rows have a shard on every survivor.
+    filler = rows
     while pieces:
       idx = np.full((len(new_active),), -1, np.int32)
       taken, rest_pieces, rnd = set(), [], []
@@ -874,7 +887,7 @@ class Engine:
         for dw, ds, b in rnd:
           if b[name] is not None:  # None: the destination is another process's device
             bufs[devs_new[new_pos[dw]]] = b[name]
-        row_tree[name] = elastic.reassemble(dummy[name], rows_abs[name].sharding,
+        row_tree[name] = elastic.reassemble(filler[name], rows_abs[name].sharding,
                                             rows_abs[name].shape, bufs)
       for dw, ds, _ in rnd:
         idx[new_pos[dw]] = ds
