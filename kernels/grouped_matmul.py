@@ -5,11 +5,15 @@ later tiles are zero and cost no matmul. Every tile is the same [tile_m, K] x [K
 accumulation, so a row's result is bitwise independent of the other rows of its tile and of the
 group sizes (batch invariance; see DESIGN.md "Determinism").
 
-impl='xla' (the CPU default, and the path used for training) is a `lax.fori_loop` with a dynamic trip
-count over the used tiles and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU
-kernel (megablox-style, tile metadata through scalar prefetch), a Mosaic GPU kernel (Hopper wgmma;
-tile metadata read from GMEM inside the kernel because Mosaic GPU has no scalar prefetch), or on any
-other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
+Decode shapes (8-row tiles, a few tiles per expert) are weight-bound: each expert's weights are read
+once per call where the backend allows, not once per tile. impl='xla' (the CPU default, and the path
+used for training) loops over runs of same-group tiles, one weight slice per run, with dynamic trip
+counts and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU kernel
+(megablox-style, tile metadata through scalar prefetch; weight blocks outermost where a [K, tn] block
+fits VMEM), a Mosaic GPU kernel (Hopper wgmma; tile metadata read from GMEM inside the kernel
+because Mosaic GPU has no scalar prefetch; tiles under 64 rows as the swapped product W^T x^T, one
+CTA per tile and N block, so a repeated expert's weights come from L2 rather than once per call),
+or on any other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
 forward shares the custom_vjp: d_lhs runs the same Pallas kernel on transposed weights, d_rhs the XLA
 "tgmm" loop.
 """
@@ -197,7 +201,8 @@ def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, in
     return interp(*args)
   if _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs):
     cuda = functools.partial(
-        _gmm_mgpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+        _gmm_mgpu_swapped if tile_m < 64 else _gmm_mgpu,
+        tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs,
     )
   else:  # shapes/dtypes the wgmma kernel does not take (e.g. fp32): XLA on GPU.
     cuda = functools.partial(
@@ -366,19 +371,89 @@ _MGPU_BLOCK_K = 64
 _MGPU_STAGES = 3
 
 
+# Decode tiles (tile_m < 64, a multiple of 8) go through the swapped product out^T = W^T x^T:
+# wgmma's M (64 per warpgroup) then runs over the weights' N and its N (a multiple of 8) over the
+# tile's rows, so an 8-row tile is one wgmma shape instead of a 64-row block 7/8 padding.
+_MGPU_SWAP_BLOCK_N = 64
+
+
 def _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs) -> bool:
   del out_dtype
   k_dim = lhs.shape[1]
   n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if not (lhs.dtype == rhs.dtype and lhs.dtype in (jnp.bfloat16, jnp.float16)
+          and k_dim % _MGPU_BLOCK_K == 0):
+    return False
+  if tile_m < 64:
+    return tile_m % 8 == 0 and n_dim % _MGPU_SWAP_BLOCK_N == 0
   block_m = min(tile_m, _MGPU_BLOCK_M)
-  return (
-      lhs.dtype == rhs.dtype
-      and lhs.dtype in (jnp.bfloat16, jnp.float16)
-      and block_m % 64 == 0
-      and tile_m % block_m == 0
-      and n_dim % _MGPU_BLOCK_N == 0
-      and k_dim % _MGPU_BLOCK_K == 0
+  return block_m % 64 == 0 and tile_m % block_m == 0 and n_dim % _MGPU_BLOCK_N == 0
+
+
+def _gmm_mgpu_swapped(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):
+  """Mosaic GPU kernel for decode tiles: one CTA per (tile, 64-column N block) computes
+  out^T[n block, tile rows] = W[g]^T[n block] @ x_tile^T with a [64, tile_m] fp32 accumulator; the
+  result comes back transposed ([N, rows]) and is transposed once in XLA (rows are few at decode).
+  A row's value is one fixed wgmma shape per tile, as in the row-major kernel.
+  """
+  num_rows, k_dim = lhs.shape
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bn, bk = _MGPU_SWAP_BLOCK_N, _MGPU_BLOCK_K
+
+  def body(tg_gmem, used_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ti, ni = lax.axis_index("m"), lax.axis_index("n")
+    out_block = out_gmem.at[pl.ds(ni * bn, bn), pl.ds(ti * tile_m, tile_m)]
+
+    def store(value):
+      @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bn, tile_m), out_gmem.dtype))
+      def _(o_smem):
+        o_smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_block)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    is_used = ti < used_gmem[0]
+
+    @pl.when(is_used)
+    def _():
+      group = tg_gmem[ti]
+
+      def step(_, lhs_smem, rhs_smem, acc_ref):
+        # A = W^T block [bn, bk]; B = x_tile^T [bk, tile_m] (K-major, as wgmma takes B)
+        a = rhs_smem if transpose_rhs else plgpu.transpose_ref(rhs_smem, (1, 0))
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(lhs_smem, (1, 0)))
+
+      def acc_scope(acc_ref):
+        rhs_spec = (
+            plgpu.BlockSpec((bn, bk), lambda k: (ni, k))
+            if transpose_rhs
+            else plgpu.BlockSpec((bk, bn), lambda k: (k, ni))
+        )
+        plgpu.emit_pipeline(
+            lambda idx, l, r: step(idx, l, r, acc_ref),
+            grid=(k_dim // bk,),
+            in_specs=[plgpu.BlockSpec((tile_m, bk), lambda k: (ti, k)), rhs_spec],
+            max_concurrent_steps=min(_MGPU_STAGES, k_dim // bk),
+        )(lhs_gmem, rhs_gmem.at[group])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, tile_m), jnp.float32))
+      store(acc.astype(out_gmem.dtype))
+
+    @pl.when(jnp.logical_not(is_used))
+    def _():
+      store(jnp.zeros((bn, tile_m), out_gmem.dtype))
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((n_dim, num_rows), out_dtype),
+      grid=(num_rows // tile_m, n_dim // bn),
+      grid_names=("m", "n"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
   )
+  return kernel(tile_group, used.reshape((1,)), lhs, rhs).T
 
 
 def _gmm_mgpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):

@@ -473,9 +473,11 @@ def test_pallas_kernels_lower_for_tpu(dtype):
   assert "tpu_custom_call" in _custom_calls(exp)
 
 
-def test_grouped_matmul_mosaic_gpu_lowers_for_cuda():
+@pytest.mark.parametrize("tile_m", [128, 8], ids=["prefill_tile", "decode_tile"])
+def test_grouped_matmul_mosaic_gpu_lowers_for_cuda(tile_m):
+  """128: the row-major wgmma kernel; 8 (the engine's decode tile): the swapped-product kernel."""
   for transpose_rhs in (False, True):
-    fwd, grad, args = _gmm_export_fns(jnp.bfloat16, transpose_rhs=transpose_rhs)
+    fwd, grad, args = _gmm_export_fns(jnp.bfloat16, tile_m=tile_m, transpose_rhs=transpose_rhs)
     for fn in (fwd, grad):
       try:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
