@@ -19,6 +19,8 @@ _EXPERTS = flags.DEFINE_integer("experts", 8, "E")
 _TOPK = flags.DEFINE_integer("top_k", 2, "k")
 _TILE = flags.DEFINE_integer("tile_m", 256, "rows per expert GEMM tile")
 _RUNS = flags.DEFINE_integer("runs", 10, "timed runs (median)")
+_BUCKETS = flags.DEFINE_list("capacity_buckets", [], "EPConfig.capacity_buckets, e.g. 8,4,2 "
+                             "(empty: the exact capacity tokens*top_k per destination)")
 
 
 def main(argv):
@@ -48,8 +50,9 @@ def main(argv):
   ex = engine.slot_layout({"w1": w1[None], "w3": w3[None], "w2": w2[None]}, pl.slot_expert(),
                           NamedSharding(mesh, engine.expert_spec()))
   e2s = jnp.asarray(pl.expert_to_slot(list(range(n))), jnp.int32)
+  buckets = tuple(int(b) for b in _BUCKETS.value)
   ep = EPConfig(num_workers=n, slots_per_worker=slots, top_k=k, tile_m=_TILE.value,
-                chunk_tokens=t)
+                chunk_tokens=t, capacity_buckets=buckets)
 
   def local(x, router, w1, w3, w2):
     lp = {"router": router, "w1": w1[0], "w3": w3[0], "w2": w2[0]}
@@ -81,6 +84,17 @@ def main(argv):
         f"D={d} F={f} E={e} tile_m={_TILE.value}")
   print(f"  layer {tl * 1e3:.2f} ms   dense SwiGLU over the routed rows {td * 1e3:.2f} ms   "
         f"ratio {tl / td:.2f}")
+  # Rows each worker exchanges per layer: out and back, n destinations x capacity rows of D.
+  from flexfloor_jax.model.moe import _exchange_capacities
+  from flexfloor_jax.model.transformer import route
+  experts = np.asarray(jax.jit(lambda x, r: route(x, r, k)[2])(x, router))
+  dest = np.asarray(e2s)[experts].reshape(n, t * k) // slots
+  need = max(np.bincount(dest[w], minlength=n).max() for w in range(n))
+  cap = t * k
+  used = next(c for c in _exchange_capacities(cap, buckets) if c >= need)
+  mib = lambda c: 2 * n * c * d * 4 / 2**20
+  print(f"  exchanged per worker per layer (out + back): exact capacity {mib(cap):.2f} MiB, "
+        f"this run's bucket {used} rows {mib(used):.2f} MiB, routed rows {2 * t * k * d * 4 / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
