@@ -276,7 +276,7 @@ def test_pallas_tpu_reads_each_expert_once_at_decode_shapes():
   n_blocks = n_dim // sch.tn
   assert _weight_fetches(sch, np.asarray(tg), used) == 3 * n_blocks  # three non-empty experts
   # the K-blocked schedule (long K) fetches a tile's weights per tile
-  long_k = gmm_lib._tpu_schedule(num_tiles * tile_m, 2**16, n_dim, tile_m, 4, 4, False)
+  long_k = gmm_lib._tpu_schedule(num_tiles * tile_m, 2**14, n_dim, tile_m, 4, 4, False)
   assert not long_k.weights_outer
   assert _weight_fetches(long_k, np.asarray(tg), used) == used * long_k.grid[1] * long_k.grid[2]
 
