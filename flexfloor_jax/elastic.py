@@ -72,9 +72,8 @@ def compile_movers(stepset) -> dict:
     out[f"extract_{group}"] = ext.lower(tree, idx_abs).compile()
     out[f"insert_{group}"] = ins.lower(tree, rows_abs, idx_abs).compile()
     out[f"rows_{group}"] = rows_abs
-    # Placeholder rows for workers that receive nothing (allocated here, off the critical path).
-    out[f"zeros_{group}"] = {k: jnp.zeros(v.shape, v.dtype, device=v.sharding)
-                             for k, v in rows_abs.items()}
+  # No placeholder buffers per mesh: a mover that needs filler rows takes them from its own
+  # extract, so a mesh's build leaves nothing on its devices that the memory floor does not count.
   return out
 
 
@@ -143,17 +142,30 @@ class RowMovers:
 def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
   """Move slots (experts: SlotMovers; sequences: RowMovers) between devices: `shards` is
   {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
-  slot) with distinct sources and destinations, `movers` {device: movers}. Source slots are left
+  slot), `movers` {device: movers}. Source slots are left
   as they are. Returns the bytes transferred."""
-  if not moves:
-    return 0
   on = lambda d: {k: b[d] for k, b in shards.items()}
-  rows = [movers[sd].take(on(sd), movers[sd].slot[ss]) for sd, ss, _, _ in moves]
-  sent = jax.device_put(rows, [dd for _, _, dd, _ in moves])  # one batched transfer
-  for (_, _, dd, ds), row in zip(moves, sent):
-    for k, b in movers[dd].put(on(dd), row, movers[dd].slot[ds]).items():
-      shards[k][dd] = b
-  return sum(x.nbytes for x in jax.tree.leaves(sent))
+  moved, pending = 0, list(moves)
+  # Rounds in which a device is at most once a source and once a destination: a device holds at
+  # most one taken and one received slot in flight (the floor's workspace term).
+  while pending:
+    rnd, rest, srcs, dsts = [], [], set(), set()
+    for m in pending:
+      if m[0] in srcs or m[2] in dsts:
+        rest.append(m)
+      else:
+        rnd.append(m)
+        srcs.add(m[0])
+        dsts.add(m[2])
+    pending = rest
+    rows = [movers[sd].take(on(sd), movers[sd].slot[ss]) for sd, ss, _, _ in rnd]
+    sent = jax.device_put(rows, [dd for _, _, dd, _ in rnd])  # one batched transfer
+    del rows
+    for (_, _, dd, ds), row in zip(rnd, sent):
+      for k, b in movers[dd].put(on(dd), row, movers[dd].slot[ds]).items():
+        shards[k][dd] = b
+    moved += sum(x.nbytes for x in jax.tree.leaves(sent))
+  return moved
 
 
 def shards_by_device(arr: jax.Array) -> dict:

@@ -18,9 +18,11 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 import threading
 import time
+import types
 from typing import Any, Optional, Sequence
 
 import jax
@@ -109,6 +111,14 @@ def state_shapes(spec: EngineSpec, n: int) -> dict[str, jax.ShapeDtypeStruct]:
           (nb, spec.max_seq_len, spec.cfg.num_layers, spec.cfg.top_k), jnp.int32)}
          if spec.record_routes else {}),
   }
+
+
+def state_bytes_per_worker(cfg: ModelConfig, slots_per_worker: int, max_seq_len: int,
+                           max_new_tokens: int, record_routes: bool = False) -> int:
+  """Bytes of one worker's slot state (`state_shapes` for one worker), without an EngineSpec."""
+  spec = types.SimpleNamespace(cfg=cfg, slots_per_worker=slots_per_worker, max_seq_len=max_seq_len,
+                               max_new_tokens=max_new_tokens, record_routes=record_routes)
+  return sum(math.prod(v.shape) * v.dtype.itemsize for v in state_shapes(spec, 1).values())
 
 
 def _unpack(st: dict) -> dict:
@@ -840,6 +850,7 @@ class Engine:
     pieces = []  # (dst worker, dst slot, {name: buffer on dst, None on another process})
     devs_old = list(old_ss.mesh.devices.reshape(-1))
     pending = [(old_pos[sw], ss_, dw, ds) for sw, ss_, dw, ds in moves]
+    rows = None
     while pending:
       # Rounds with at most one expert per source and per destination (one extract per source
       # device; the transfer gives each destination device one block). Every process builds the
@@ -874,7 +885,9 @@ class Engine:
     # Write the moved experts into empty slots of the survivors (donated, in place).
     rows_abs = new_ss["rows_experts"]
     devs_new = list(new_ss.mesh.devices.reshape(-1))
-    dummy = new_ss["zeros_experts"]
+    # Workers that receive nothing in a round get a row of the last extract as filler (their
+    # index is -1: the insert drops it); the extract's rows have a shard on every survivor.
+    filler = rows
     while pieces:
       idx = np.full((len(new_active),), -1, np.int32)
       taken, rest_pieces, rnd = set(), [], []
@@ -888,7 +901,7 @@ class Engine:
         for dw, ds, b in rnd:
           if b[name] is not None:  # None: the destination is another process's device
             bufs[devs_new[new_pos[dw]]] = b[name]
-        row_tree[name] = elastic.reassemble(dummy[name], rows_abs[name].sharding,
+        row_tree[name] = elastic.reassemble(filler[name], rows_abs[name].sharding,
                                             rows_abs[name].shape, bufs)
       for dw, ds, _ in rnd:
         idx[new_pos[dw]] = ds

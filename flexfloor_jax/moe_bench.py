@@ -19,6 +19,8 @@ _EXPERTS = flags.DEFINE_integer("experts", 8, "E")
 _TOPK = flags.DEFINE_integer("top_k", 2, "k")
 _TILE = flags.DEFINE_integer("tile_m", 256, "rows per expert GEMM tile")
 _RUNS = flags.DEFINE_integer("runs", 10, "timed runs (median)")
+_BUCKETS = flags.DEFINE_list("capacity_buckets", [], "EPConfig.capacity_buckets, e.g. 8,4,2 "
+                             "(empty: the exact capacity tokens*top_k per destination)")
 
 
 def main(argv):
@@ -48,15 +50,22 @@ def main(argv):
   ex = engine.slot_layout({"w1": w1[None], "w3": w3[None], "w2": w2[None]}, pl.slot_expert(),
                           NamedSharding(mesh, engine.expert_spec()))
   e2s = jnp.asarray(pl.expert_to_slot(list(range(n))), jnp.int32)
-  ep = EPConfig(num_workers=n, slots_per_worker=slots, top_k=k, tile_m=_TILE.value,
-                chunk_tokens=t)
+  buckets = tuple(int(b) for b in _BUCKETS.value)
 
-  def local(x, router, w1, w3, w2):
-    lp = {"router": router, "w1": w1[0], "w3": w3[0], "w2": w2[0]}
-    return ep_moe(x, lp, jnp.ones(x.shape[0], bool), e2s, ep, e)[0]
+  def make_layer(capacity_buckets):
+    ep = EPConfig(num_workers=n, slots_per_worker=slots, top_k=k, tile_m=_TILE.value,
+                  chunk_tokens=t, capacity_buckets=capacity_buckets)
 
-  layer = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("ep"), P()) + (P(None, "ep"),) * 3,
-                                out_specs=P("ep"), check_vma=False))
+    def local(x, router, w1, w3, w2):
+      lp = {"router": router, "w1": w1[0], "w3": w3[0], "w2": w2[0]}
+      return ep_moe(x, lp, jnp.ones(x.shape[0], bool), e2s, ep, e)[0]
+
+    return jax.jit(jax.shard_map(local, mesh=mesh,
+                                 in_specs=(P("ep"), P()) + (P(None, "ep"),) * 3,
+                                 out_specs=P("ep"), check_vma=False))
+
+  layer = make_layer(())
+  bucketed = make_layer(buckets) if buckets else None
   xs = jax.device_put(x, NamedSharding(mesh, P("ep")))
   rows = jax.random.normal(keys[0], (n * t * k, d), jnp.float32)
   dense = jax.jit(lambda r, a, b, c: (jax.nn.silu(r @ a) * (r @ b)) @ c)
@@ -72,15 +81,35 @@ def main(argv):
     return float(np.median(out))
 
   # Interleave so that machine noise hits both alike.
-  tl, td = [], []
+  tl, td, tb = [], [], []
+  largs = (xs, router, ex["w1"], ex["w3"], ex["w2"])
   for _ in range(3):
-    tl.append(timeit(layer, xs, router, ex["w1"], ex["w3"], ex["w2"]))
+    tl.append(timeit(layer, *largs))
     td.append(timeit(dense, *args))
+    if bucketed is not None:
+      tb.append(timeit(bucketed, *largs))
   tl, td = float(np.median(tl)), float(np.median(td))
   print(f"MoE layer on {n} workers: {n * t} tokens x top-{k} = {n * t * k} routed rows, "
         f"D={d} F={f} E={e} tile_m={_TILE.value}")
   print(f"  layer {tl * 1e3:.2f} ms   dense SwiGLU over the routed rows {td * 1e3:.2f} ms   "
         f"ratio {tl / td:.2f}")
+  if bucketed is not None:
+    tb = float(np.median(tb))
+    same = bool(jnp.array_equal(layer(*largs), bucketed(*largs)))
+    print(f"  layer with capacity buckets {buckets}: {tb * 1e3:.2f} ms   ratio {tb / td:.2f}   "
+          f"bitwise equal to the exact capacity: {same}")
+  # Rows each worker exchanges per layer: out and back, n destinations x capacity rows of D.
+  from flexfloor_jax.model.moe import _exchange_capacities
+  from flexfloor_jax.model.transformer import route
+  experts = np.asarray(jax.jit(lambda x, r: route(x, r, k)[2])(x, router))
+  dest = np.asarray(e2s)[experts].reshape(n, t * k) // slots
+  need = max(np.bincount(dest[w], minlength=n).max() for w in range(n))
+  cap = t * k
+  used = next(c for c in _exchange_capacities(cap, buckets) if c >= need)
+  mib = lambda c: 2 * n * c * d * 4 / 2**20
+  print(f"  exchanged per worker per layer (out + back): exact capacity ({cap} rows per "
+        f"destination) {mib(cap):.2f} MiB, buckets ({used} rows) {mib(used):.2f} MiB, "
+        f"the routed rows themselves {2 * t * k * d * 4 / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":

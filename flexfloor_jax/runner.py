@@ -279,18 +279,6 @@ def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:
   return seqs
 
 
-def model_bytes(model_cfg, config, max_seq_len: Optional[int] = None) -> tuple[int, int, int]:
-  """(bytes of one expert, bytes of all non-expert weights, KV cache bytes of one worker);
-  `max_seq_len`: the resolved KV length (default: model.max_seq_len)."""
-  itemsize = 2 if model_cfg.dtype == "bfloat16" else np.dtype(model_cfg.dtype).itemsize
-  d, f, nl = model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers
-  expert = 3 * nl * d * f * itemsize
-  nonexpert = model_cfg.param_count() * itemsize - model_cfg.num_experts * expert
-  kv = (2 * nl * config.rollout.slots_per_worker * (max_seq_len or config.model.max_seq_len)
-        * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize)
-  return expert, nonexpert, kv
-
-
 def resolve_max_seq_len(config, prompts: list[Prompt], model_cfg) -> int:
   """The KV cache length: model.max_seq_len when set (checked against the prompts and the
   model by the caller), else what the run needs, the longest prompt + rollout.max_new_tokens,
@@ -349,6 +337,7 @@ def _run(config, t_setup, *, devices, params, model_cfg, tokenizer, write_output
   import jax
 
   from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax import memory
   from flexfloor_jax import mesh as mesh_lib
   from flexfloor_jax.model import checkpoint as ckpt
   from flexfloor_jax.model import transformer as tfm
@@ -401,10 +390,11 @@ def _run(config, t_setup, *, devices, params, model_cfg, tokenizer, write_output
   n = len(devices)
   b = r.slots_per_worker
   e = model_cfg.num_experts
-  expert_bytes, nonexpert_bytes, kv_bytes = model_bytes(model_cfg, config, seq_len)
+  # the floor's terms from the shapes the engine allocates (flexfloor_jax/memory.py)
+  terms = memory.terms_for_config(config, model_cfg, seq_len)
   budget = memory_budget_bytes(config, devices)
   try:
-    floor = planner.floor_workers(e, expert_bytes, nonexpert_bytes, kv_bytes, budget, n)
+    floor = terms.floor(e, budget, n)
   except planner.FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"

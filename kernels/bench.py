@@ -1,4 +1,4 @@
-"""CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows.
+"""CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows, then at decode shapes.
 
   python -m kernels.bench [--tile_m 128 256] [--runs 30]
   python -m kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 128   # GPU
@@ -7,6 +7,12 @@ The grouped matmul does the same flops as the dense matmul plus its tile padding
 the cost of fixed-shape tiles and the per-tile loop. Dense and grouped calls are timed interleaved
 (pairs), so drift on a shared machine affects both alike: times are medians after warm-up, the ratio
 is the median of the per-pair ratios.
+
+The decode table (8 experts, 8-64 rows each, the engine's decode tile) compares against a per-expert
+einsum over exactly those rows ('gck,gkn->gcn', what a capacity layout without tiles would run) and
+shows the per-tile loop that slices the weights once per tile (the layout before the expert-outer
+loop) beside the grouped matmul, all timed interleaved; its ratios are those of the fastest runs
+(at sub-millisecond calls a loaded machine's scheduling noise swamps a median).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
 
 NUM_ROWS, K_DIM, N_DIM, NUM_GROUPS = 4096, 256, 512, 8
+# flexfloor_jax.engine.EngineSpec.decode_tile_m (kernels imports nothing of the engine)
+DECODE_TILE_M = 8
+DECODE_ROWS_PER_EXPERT = (8, 16, 32, 64)
 
 
 def _zipf_sizes(total: int, groups: int, s: float = 1.0) -> list[int]:
@@ -38,21 +47,61 @@ CASES = {
 }
 
 
-def _time_pair(f_a, args_a, f_b, args_b, runs: int):
+def _time_interleaved(calls, runs: int):
+  """Median time of each (fn, args) and the median ratio of each to the first, run by run."""
   for _ in range(3):
-    jax.block_until_ready(f_a(*args_a))
-    jax.block_until_ready(f_b(*args_b))
-  t_a, t_b = [], []
+    for f, a in calls:
+      jax.block_until_ready(f(*a))
+  ts = [[] for _ in calls]
   for _ in range(max(runs, 10)):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f_a(*args_a))
-    t1 = time.perf_counter()
-    jax.block_until_ready(f_b(*args_b))
-    t2 = time.perf_counter()
-    t_a.append(t1 - t0)
-    t_b.append(t2 - t1)
-  t_a, t_b = np.array(t_a), np.array(t_b)
-  return float(np.median(t_a)), float(np.median(t_b)), float(np.median(t_b / t_a))
+    for t, (f, a) in zip(ts, calls):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*a))
+      t.append(time.perf_counter() - t0)
+  ts = np.array(ts)
+  return np.median(ts, axis=1), np.median(ts / ts[0], axis=1), np.min(ts, axis=1)
+
+
+def _time_pair(f_a, args_a, f_b, args_b, runs: int):
+  t, r, _ = _time_interleaved([(f_a, args_a), (f_b, args_b)], runs)
+  return float(t[0]), float(t[1]), float(r[1])
+
+
+def _per_tile_gmm(lhs, rhs, tile_group, used, tile_m):
+  """The per-tile loop: every tile slices its group's weights again (same numerics)."""
+  def body(i, out):
+    x = jax.lax.dynamic_slice_in_dim(lhs, i * tile_m, tile_m, 0)
+    w = jax.lax.dynamic_index_in_dim(rhs, tile_group[i], 0, keepdims=False)
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(out, y, i * tile_m, 0)
+  return jax.lax.fori_loop(0, used, body, jnp.zeros((lhs.shape[0], rhs.shape[2]), lhs.dtype))
+
+
+def run_decode(runs: int = 30, dtype=jnp.float32, impl: str = "xla", k_dim: int = K_DIM,
+               n_dim: int = N_DIM, tile_m: int = DECODE_TILE_M) -> list[dict]:
+  key_x, key_w = jax.random.split(jax.random.key(1))
+  rhs_GKN = jax.random.normal(key_w, (NUM_GROUPS, k_dim, n_dim), dtype)
+  einsum = jax.jit(lambda x, w: jnp.einsum("gck,gkn->gcn", x, w,
+                                           preferred_element_type=jnp.float32).astype(x.dtype))
+  gmm = jax.jit(lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=tile_m, impl=impl))
+  per_tile = jax.jit(lambda l, r, tg, u: _per_tile_gmm(l, r, tg, u, tile_m))
+  results = []
+  for per_expert in DECODE_ROWS_PER_EXPERT:
+    rows = per_expert * NUM_GROUPS
+    x_GCK = jax.random.normal(key_x, (NUM_GROUPS, per_expert, k_dim), dtype)
+    group_ids = jnp.repeat(jnp.arange(NUM_GROUPS, dtype=jnp.int32), per_expert)
+    plan = make_plan(group_ids, NUM_GROUPS, tile_m, padded_rows(rows, NUM_GROUPS, tile_m))
+    lhs = jnp.zeros((plan.row_src.shape[0], k_dim), dtype).at[plan.row_dst].set(
+        x_GCK.reshape(rows, k_dim))
+    args = (lhs, rhs_GKN, plan.tile_group, plan.num_tiles_used)
+    _, ratio, t_min = _time_interleaved(
+        [(einsum, (x_GCK, rhs_GKN)), (gmm, args), (per_tile, args)], runs)
+    results.append(dict(rows_per_expert=per_expert, tile_m=tile_m, einsum_ms=1e3 * t_min[0],
+                        gmm_ms=1e3 * t_min[1], per_tile_ms=1e3 * t_min[2],
+                        gmm_ratio=float(t_min[1] / t_min[0]),
+                        per_tile_ratio=float(t_min[2] / t_min[0]),
+                        gmm_median_ratio=float(ratio[1]), per_tile_median_ratio=float(ratio[2])))
+  return results
 
 
 def run(tile_ms=(DEFAULT_TILE_M,), runs: int = 30, dtype=jnp.float32, impl: str = "xla",
@@ -90,6 +139,8 @@ def main(argv=None):
                  help="pallas: the Mosaic GPU / TPU kernel where the shape allows it")
   p.add_argument("--k", type=int, default=K_DIM)
   p.add_argument("--n", type=int, default=N_DIM)
+  p.add_argument("--decode_tile_m", type=int, default=DECODE_TILE_M)
+  p.add_argument("--no_decode", action="store_true", help="skip the decode-shape table")
   args = p.parse_args(argv)
   print(f"{jax.devices()[0].platform}: {NUM_ROWS} rows x [{args.k}x{args.n}] {args.dtype}, "
         f"{NUM_GROUPS} groups, impl={args.impl}, median of {args.runs} interleaved runs")
@@ -97,6 +148,19 @@ def main(argv=None):
   for r in run(tuple(args.tile_m), args.runs, jnp.dtype(args.dtype), args.impl, args.k, args.n):
     print(f"{r['case']:<16}{r['tile_m']:>7}{r['tiles_used']:>7}{r['dense_ms']:>10.2f}"
           f"{r['gmm_ms']:>9.2f}{r['ratio']:>7.2f}")
+  if args.no_decode:
+    return
+  print(f"\ndecode: {NUM_GROUPS} experts x [{args.k}x{args.n}], tile_m={args.decode_tile_m}; "
+        "ratios to a per-expert einsum over the same rows")
+  print("(ms and ratios of the fastest run, which other load on a shared machine inflates least; "
+        "median of the per-run ratios in brackets)")
+  print(f"{'rows/expert':>12}{'einsum ms':>10}{'gmm ms':>9}{'gmm':>14}{'per-tile ms':>12}"
+        f"{'per-tile':>14}")
+  for r in run_decode(args.runs, jnp.dtype(args.dtype), args.impl, args.k, args.n,
+                      args.decode_tile_m):
+    print(f"{r['rows_per_expert']:>12}{r['einsum_ms']:>10.3f}{r['gmm_ms']:>9.3f}"
+          f"{r['gmm_ratio']:>7.2f} [{r['gmm_median_ratio']:4.2f}]{r['per_tile_ms']:>12.3f}"
+          f"{r['per_tile_ratio']:>7.2f} [{r['per_tile_median_ratio']:4.2f}]")
 
 
 if __name__ == "__main__":

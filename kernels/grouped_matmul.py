@@ -5,17 +5,22 @@ later tiles are zero and cost no matmul. Every tile is the same [tile_m, K] x [K
 accumulation, so a row's result is bitwise independent of the other rows of its tile and of the
 group sizes (batch invariance; see DESIGN.md "Determinism").
 
-impl='xla' (the CPU default, and the path used for training) is a `lax.fori_loop` with a dynamic trip
-count over the used tiles and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU
-kernel (megablox-style, tile metadata through scalar prefetch), a Mosaic GPU kernel (Hopper wgmma;
-tile metadata read from GMEM inside the kernel because Mosaic GPU has no scalar prefetch), or on any
-other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
+Decode shapes (8-row tiles, a few tiles per expert) are weight-bound: each expert's weights are read
+once per call where the backend allows, not once per tile. impl='xla' (the CPU default, and the path
+used for training) loops over runs of same-group tiles, one weight slice per run, with dynamic trip
+counts and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU kernel
+(megablox-style, tile metadata through scalar prefetch; weight blocks outermost where a [K, tn] block
+fits VMEM), a Mosaic GPU kernel (Hopper wgmma; tile metadata read from GMEM inside the kernel
+because Mosaic GPU has no scalar prefetch; tiles under 64 rows as the swapped product W^T x^T, one
+CTA per tile and N block, so a repeated expert's weights come from L2 rather than once per call),
+or on any other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
 forward shares the custom_vjp: d_lhs runs the same Pallas kernel on transposed weights, d_rhs the XLA
 "tgmm" loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +46,7 @@ def grouped_matmul(
     interpret: bool = False,
     preferred_element_type=None,
     transpose_rhs: bool = False,
+    num_groups: int | None = None,
 ) -> jax.Array:
   """out_PN[tile i] = lhs tile i @ rhs_GKN[tile_group[i]] for i < num_tiles_used, else 0.
 
@@ -69,6 +75,7 @@ def grouped_matmul(
       bool(interpret),
       out_dtype,
       bool(transpose_rhs),
+      int(num_groups or rhs_GKN.shape[0]),
   )
 
 
@@ -76,17 +83,19 @@ def grouped_matmul(
 # custom_vjp shared by both impls
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _gmm(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
-  return _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _gmm(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs, groups):
+  return _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs,
+                      groups)
 
 
-def _gmm_fwd(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
-  out = _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs)
+def _gmm_fwd(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs, groups):
+  out = _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs,
+                     groups)
   return out, (lhs, rhs, tile_group, used)
 
 
-def _gmm_bwd(tile_m, impl, interpret, out_dtype, transpose_rhs, res, d_out):
+def _gmm_bwd(tile_m, impl, interpret, out_dtype, transpose_rhs, groups, res, d_out):
   del out_dtype
   lhs, rhs, tile_group, used = res
   # Cotangents enter in the operand precision (as megablox does); accumulation stays fp32.
@@ -94,7 +103,7 @@ def _gmm_bwd(tile_m, impl, interpret, out_dtype, transpose_rhs, res, d_out):
   # Same tiles, weights transposed: d_lhs tile = d_out tile @ rhs[g]^T.
   d_lhs = _gmm_forward(
       d_out, rhs.astype(lhs.dtype), tile_group, used, tile_m, impl, interpret, lhs.dtype,
-      not transpose_rhs,
+      not transpose_rhs, groups,
   )
   d_rhs_GKN = _tgmm_xla(lhs, d_out, tile_group, used, rhs.shape[0], tile_m)
   d_rhs = jnp.swapaxes(d_rhs_GKN, 1, 2) if transpose_rhs else d_rhs_GKN
@@ -104,10 +113,12 @@ def _gmm_bwd(tile_m, impl, interpret, out_dtype, transpose_rhs, res, d_out):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-def _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs):
+def _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs,
+                 groups):
   if impl == "xla":
     return _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
-  return _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret)
+  return _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret,
+                     groups)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,20 +130,40 @@ def _dot_dims(transpose_rhs: bool):
 
 
 def _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
-  """fori_loop over the used tiles: one fixed-shape dot each, written in place into a zero buffer.
+  """Expert-outer loop: each run of tiles of one group takes its weights once, then one fixed-shape
+  [tile_m, K] dot per tile of the run, written in place into a zero buffer.
 
-  The trip count is dynamic, so padding tiles cost nothing; the zero buffer is a calloc on CPU.
+  A run is a maximal range of consecutive tiles of one group; the padded layout sorts tiles by
+  group, so the outer trip count is the number of non-empty groups and an expert's weights are sliced
+  once per call however many tiles it has (a per-tile slice re-reads them once per tile). Any
+  tile_group is correct, unsorted ones only take more runs. Each tile is still its own GEMM
+  of one shape, so the numerics (and batch invariance) are those of the per-tile loop. Trip counts
+  are dynamic, so padding tiles cost nothing; the zero buffer is a calloc on CPU.
   """
   num_rows = lhs.shape[0]
   n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  num_tiles = tile_group.shape[0]
+  used = jnp.minimum(used, num_tiles)
+  # run_end[i]: first tile after i whose group differs from tile i's (num_tiles if none).
+  idx = jnp.arange(num_tiles, dtype=jnp.int32)
+  boundary = jnp.where(tile_group[1:] != tile_group[:-1], idx[1:], num_tiles)
+  run_end = lax.cummin(jnp.append(boundary, num_tiles), reverse=True)
 
-  def body(i, out):
-    x = lax.dynamic_slice_in_dim(lhs, i * tile_m, tile_m, 0)
-    w = lax.dynamic_index_in_dim(rhs, tile_group[i], 0, keepdims=False)
-    y = lax.dot_general(x, w, _dot_dims(transpose_rhs), preferred_element_type=jnp.float32)
-    return lax.dynamic_update_slice_in_dim(out, y.astype(out_dtype), i * tile_m, 0)
+  def run(carry):
+    start, out = carry
+    g = tile_group[start]
+    end = jnp.minimum(run_end[start], used)
+    w = lax.dynamic_index_in_dim(rhs, g, 0, keepdims=False)
 
-  return lax.fori_loop(0, used, body, jnp.zeros((num_rows, n_dim), out_dtype))
+    def tile(i, out):
+      x = lax.dynamic_slice_in_dim(lhs, i * tile_m, tile_m, 0)
+      y = lax.dot_general(x, w, _dot_dims(transpose_rhs), preferred_element_type=jnp.float32)
+      return lax.dynamic_update_slice_in_dim(out, y.astype(out_dtype), i * tile_m, 0)
+
+    return end, lax.fori_loop(start, end, tile, out)
+
+  init = (jnp.int32(0), jnp.zeros((num_rows, n_dim), out_dtype))
+  return lax.while_loop(lambda c: c[0] < used, run, init)[1]
 
 
 def _tgmm_xla(lhs, d_out, tile_group, used, num_groups, tile_m):
@@ -161,19 +192,17 @@ def _pick_block(dim: int, prefs=(512, 256, 128)) -> int:
   return dim  # a full-extent block is always legal on TPU
 
 
-def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret):
-  tpu = functools.partial(
-      _gmm_tpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs, interpret=False
-  )
-  interp = functools.partial(
-      _gmm_tpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs, interpret=True
-  )
+def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret, groups):
+  kw = dict(tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs, num_groups=groups)
+  tpu = functools.partial(_gmm_tpu, **kw, interpret=False)
+  interp = functools.partial(_gmm_tpu, **kw, interpret=True)
   args = (lhs, rhs, tile_group, used)
   if interpret:
     return interp(*args)
   if _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs):
     cuda = functools.partial(
-        _gmm_mgpu, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs
+        _gmm_mgpu_swapped if tile_m < 64 else _gmm_mgpu,
+        tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs,
     )
   else:  # shapes/dtypes the wgmma kernel does not take (e.g. fp32): XLA on GPU.
     cuda = functools.partial(
@@ -182,59 +211,138 @@ def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, in
   return lax.platform_dependent(*args, tpu=tpu, cuda=cuda, default=interp)
 
 
-def _gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, interpret):
-  """Mosaic TPU kernel, grid (row tiles, N blocks, K blocks), megablox-style.
+# VMEM the weights-outer schedule may use for its double-buffered blocks: inside every TPU
+# generation's default scoped VMEM limit (16 MiB on v5e), with room for Mosaic's own scratch.
+_TPU_VMEM_BUDGET = 12 * 2**20
 
-  tile_group and num_tiles_used arrive through scalar prefetch; the rhs index_map picks the tile's
-  group. Steps past num_tiles_used map every input to the block of the last used step, so the
-  pipeline issues no DMA for them, and skip the matmul: they only store a zero output block.
+
+@dataclasses.dataclass(frozen=True)
+class _TpuSchedule:
+  """Grid and blocks of the Mosaic TPU kernel; the index maps take (grid indices..., tg, used) and
+  also run on numpy values, so a test can replay which weight blocks the pipeline fetches.
+
+  weights_outer: grid (N blocks, row tiles) and one dot over the whole K per tile. Consecutive tiles
+    of one group ask for the same weight block, which the Pallas pipeline does not fetch again, so
+    every used expert's weights are read once per call (the decode case: few rows, many weights).
+  otherwise: grid (row tiles, N blocks, K blocks), K accumulated in VMEM, weights read once per
+    tile; taken when a [K, tn] weight block does not fit the VMEM budget (then a tile is large
+    enough to amortise it, or K is too long for one block).
+  """
+  weights_outer: bool
+  grid: tuple
+  tn: int
+  tk: int
+  lhs_block: tuple
+  rhs_block: tuple
+  out_block: tuple
+  lhs_map: object
+  rhs_map: object
+  out_map: object
+
+
+def _tpu_schedule(num_rows, k_dim, n_dim, tile_m, in_itemsize, out_itemsize, transpose_rhs):
+  num_tiles = num_rows // tile_m
+  rhs_kn = lambda g, k, n: (g, n, k) if transpose_rhs else (g, k, n)
+
+  def clamp(i, used):  # steps past the used tiles repeat the last used tile's blocks: no DMA
+    return jnp.where(i < used[0], i, jnp.maximum(used[0] - 1, 0))
+
+  for tn in (512, 256, 128):
+    if n_dim % tn:
+      continue
+    vmem = 2 * (k_dim * tn + tile_m * k_dim) * in_itemsize + 2 * tile_m * tn * out_itemsize
+    if vmem <= _TPU_VMEM_BUDGET:
+      return _TpuSchedule(
+          weights_outer=True, grid=(n_dim // tn, num_tiles), tn=tn, tk=k_dim,
+          lhs_block=(tile_m, k_dim), rhs_block=(None,) + rhs_kn(None, k_dim, tn)[1:],
+          out_block=(tile_m, tn),
+          lhs_map=lambda n, i, tg, used: (clamp(i, used), 0),
+          rhs_map=lambda n, i, tg, used: rhs_kn(tg[clamp(i, used)], 0, n),
+          out_map=lambda n, i, tg, used: (i, n),
+      )
+
+  tn, tk = _pick_block(n_dim), _pick_block(k_dim)
+  n_blocks, k_blocks = n_dim // tn, k_dim // tk
+
+  def effective(i, n, k, used):
+    active = i < used[0]
+    return (clamp(i, used), jnp.where(active, n, n_blocks - 1), jnp.where(active, k, k_blocks - 1))
+
+  def lhs_map(i, n, k, tg, used):
+    i, _, k = effective(i, n, k, used)
+    return i, k
+
+  def rhs_map(i, n, k, tg, used):
+    i, n, k = effective(i, n, k, used)
+    return rhs_kn(tg[i], k, n)
+
+  return _TpuSchedule(
+      weights_outer=False, grid=(num_tiles, n_blocks, k_blocks), tn=tn, tk=tk,
+      lhs_block=(tile_m, tk), rhs_block=(None,) + rhs_kn(None, tk, tn)[1:], out_block=(tile_m, tn),
+      lhs_map=lhs_map, rhs_map=rhs_map, out_map=lambda i, n, k, tg, used: (i, n),
+  )
+
+
+def _gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, num_groups,
+             interpret):
+  """Mosaic TPU kernel, megablox-style: tile_group and num_tiles_used arrive through scalar
+  prefetch and the rhs index_map picks the tile's group (schedules: `_TpuSchedule`). Steps past
+  num_tiles_used fetch nothing new and skip the matmul: they only store a zero output block.
   """
   num_rows, k_dim = lhs.shape
   n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  tn, tk = _pick_block(n_dim), _pick_block(k_dim)
-  num_tiles, n_blocks, k_blocks = num_rows // tile_m, n_dim // tn, k_dim // tk
+  num_tiles = num_rows // tile_m
+  sch = _tpu_schedule(num_rows, k_dim, n_dim, tile_m, lhs.dtype.itemsize, out_dtype.itemsize,
+                      transpose_rhs)
+  dims = _dot_dims(transpose_rhs)
 
-  def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
-    i, k = pl.program_id(0), pl.program_id(2)
+  if sch.weights_outer:
+    def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref):
+      active = pl.program_id(1) < used_ref[0]
 
-    @pl.when(k == 0)
-    def _():
-      acc_ref[...] = jnp.zeros_like(acc_ref)
+      @pl.when(active)
+      def _():
+        out_ref[...] = lax.dot_general(
+            lhs_ref[...], rhs_ref[...], dims, preferred_element_type=jnp.float32
+        ).astype(out_ref.dtype)
 
-    @pl.when(i < used_ref[0])
-    def _():
-      acc_ref[...] += lax.dot_general(
-          lhs_ref[...], rhs_ref[...], _dot_dims(transpose_rhs), preferred_element_type=jnp.float32
-      )
+      @pl.when(jnp.logical_not(active))
+      def _():
+        out_ref[...] = jnp.zeros_like(out_ref)
 
-    @pl.when(k == k_blocks - 1)
-    def _():
-      out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+    scratch, semantics = [], ("parallel", "arbitrary")
+    # Each used group's weights once; the lhs once per N block.
+    weight_reads = min(num_tiles, num_groups)
+  else:
+    k_blocks = sch.grid[2]
 
-  def effective(i, n, k, used_ref):
-    active = i < used_ref[0]
-    last = jnp.maximum(used_ref[0] - 1, 0)
-    return (
-        jnp.where(active, i, last),
-        jnp.where(active, n, n_blocks - 1),
-        jnp.where(active, k, k_blocks - 1),
-    )
+    def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref, acc_ref):
+      i, k = pl.program_id(0), pl.program_id(2)
 
-  def lhs_map(i, n, k, tg_ref, used_ref):
-    i, _, k = effective(i, n, k, used_ref)
-    return i, k
+      @pl.when(k == 0)
+      def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
 
-  def rhs_map(i, n, k, tg_ref, used_ref):
-    i, n, k = effective(i, n, k, used_ref)
-    return (tg_ref[i], n, k) if transpose_rhs else (tg_ref[i], k, n)
+      @pl.when(i < used_ref[0])
+      def _():
+        acc_ref[...] += lax.dot_general(
+            lhs_ref[...], rhs_ref[...], dims, preferred_element_type=jnp.float32
+        )
 
-  rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+      @pl.when(k == k_blocks - 1)
+      def _():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+    scratch = [pltpu.VMEM((tile_m, sch.tn), jnp.float32)]
+    semantics = ("parallel", "parallel", "arbitrary")
+    weight_reads = num_tiles  # the weight block of every tile, also when its group repeats
+
   cost = pl.CostEstimate(
       flops=2 * num_rows * k_dim * n_dim,
       transcendentals=0,
       bytes_accessed=int(
-          lhs.size * lhs.dtype.itemsize * n_blocks
-          + num_tiles * k_dim * n_dim * rhs.dtype.itemsize
+          lhs.size * lhs.dtype.itemsize * (n_dim // sch.tn)
+          + weight_reads * k_dim * n_dim * rhs.dtype.itemsize
           + num_rows * n_dim * out_dtype.itemsize
       ),
   )
@@ -243,14 +351,13 @@ def _gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, in
       out_shape=jax.ShapeDtypeStruct((num_rows, n_dim), out_dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(num_tiles, n_blocks, k_blocks),
-          in_specs=[pl.BlockSpec((tile_m, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)],
-          out_specs=pl.BlockSpec((tile_m, tn), lambda i, n, k, tg_ref, used_ref: (i, n)),
-          scratch_shapes=[pltpu.VMEM((tile_m, tn), jnp.float32)],
+          grid=sch.grid,
+          in_specs=[pl.BlockSpec(sch.lhs_block, sch.lhs_map),
+                    pl.BlockSpec(sch.rhs_block, sch.rhs_map)],
+          out_specs=pl.BlockSpec(sch.out_block, sch.out_map),
+          scratch_shapes=scratch,
       ),
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")
-      ),
+      compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
       cost_estimate=cost,
       interpret=interpret,
   )(tile_group, used.reshape((1,)), lhs, rhs)
@@ -264,19 +371,89 @@ _MGPU_BLOCK_K = 64
 _MGPU_STAGES = 3
 
 
+# Decode tiles (tile_m < 64, a multiple of 8) go through the swapped product out^T = W^T x^T:
+# wgmma's M (64 per warpgroup) then runs over the weights' N and its N (a multiple of 8) over the
+# tile's rows, so an 8-row tile is one wgmma shape instead of a 64-row block 7/8 padding.
+_MGPU_SWAP_BLOCK_N = 64
+
+
 def _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs) -> bool:
   del out_dtype
   k_dim = lhs.shape[1]
   n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  if not (lhs.dtype == rhs.dtype and lhs.dtype in (jnp.bfloat16, jnp.float16)
+          and k_dim % _MGPU_BLOCK_K == 0):
+    return False
+  if tile_m < 64:
+    return tile_m % 8 == 0 and n_dim % _MGPU_SWAP_BLOCK_N == 0
   block_m = min(tile_m, _MGPU_BLOCK_M)
-  return (
-      lhs.dtype == rhs.dtype
-      and lhs.dtype in (jnp.bfloat16, jnp.float16)
-      and block_m % 64 == 0
-      and tile_m % block_m == 0
-      and n_dim % _MGPU_BLOCK_N == 0
-      and k_dim % _MGPU_BLOCK_K == 0
+  return block_m % 64 == 0 and tile_m % block_m == 0 and n_dim % _MGPU_BLOCK_N == 0
+
+
+def _gmm_mgpu_swapped(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):
+  """Mosaic GPU kernel for decode tiles: one CTA per (tile, 64-column N block) computes
+  out^T[n block, tile rows] = W[g]^T[n block] @ x_tile^T with a [64, tile_m] fp32 accumulator; the
+  result comes back transposed ([N, rows]) and is transposed once in XLA (rows are few at decode).
+  A row's value is one fixed wgmma shape per tile, as in the row-major kernel.
+  """
+  num_rows, k_dim = lhs.shape
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bn, bk = _MGPU_SWAP_BLOCK_N, _MGPU_BLOCK_K
+
+  def body(tg_gmem, used_gmem, lhs_gmem, rhs_gmem, out_gmem):
+    ti, ni = lax.axis_index("m"), lax.axis_index("n")
+    out_block = out_gmem.at[pl.ds(ni * bn, bn), pl.ds(ti * tile_m, tile_m)]
+
+    def store(value):
+      @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((bn, tile_m), out_gmem.dtype))
+      def _(o_smem):
+        o_smem[...] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_block)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    is_used = ti < used_gmem[0]
+
+    @pl.when(is_used)
+    def _():
+      group = tg_gmem[ti]
+
+      def step(_, lhs_smem, rhs_smem, acc_ref):
+        # A = W^T block [bn, bk]; B = x_tile^T [bk, tile_m] (K-major, as wgmma takes B)
+        a = rhs_smem if transpose_rhs else plgpu.transpose_ref(rhs_smem, (1, 0))
+        plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(lhs_smem, (1, 0)))
+
+      def acc_scope(acc_ref):
+        rhs_spec = (
+            plgpu.BlockSpec((bn, bk), lambda k: (ni, k))
+            if transpose_rhs
+            else plgpu.BlockSpec((bk, bn), lambda k: (k, ni))
+        )
+        plgpu.emit_pipeline(
+            lambda idx, l, r: step(idx, l, r, acc_ref),
+            grid=(k_dim // bk,),
+            in_specs=[plgpu.BlockSpec((tile_m, bk), lambda k: (ti, k)), rhs_spec],
+            max_concurrent_steps=min(_MGPU_STAGES, k_dim // bk),
+        )(lhs_gmem, rhs_gmem.at[group])
+        return acc_ref[...]
+
+      acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, tile_m), jnp.float32))
+      store(acc.astype(out_gmem.dtype))
+
+    @pl.when(jnp.logical_not(is_used))
+    def _():
+      store(jnp.zeros((bn, tile_m), out_gmem.dtype))
+
+  kernel = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((n_dim, num_rows), out_dtype),
+      grid=(num_rows // tile_m, n_dim // bn),
+      grid_names=("m", "n"),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+      ),
   )
+  return kernel(tile_group, used.reshape((1,)), lhs, rhs).T
 
 
 def _gmm_mgpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):

@@ -1,7 +1,9 @@
 """Elastic expert parallelism: releases happen, change no token, move only what they must."""
 
+import gc
 import json
 import logging
+import math
 
 import jax
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 
 from flexfloor_jax import elastic
 from flexfloor_jax import engine as engine_lib
+from flexfloor_jax import memory
 from flexfloor_jax.cli import load_config
 from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
@@ -210,16 +213,16 @@ def test_no_compile_during_rollout(params, tmp_path):
 def test_floor_is_respected(params, tmp_path):
   c = get_config()
   c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
-  expert, nonexpert, kv = runner.model_bytes(MODEL, c)
+  t = memory.terms_for_config(c, MODEL)
   # Room for 2 experts per worker (plus slack below one more expert): the floor is 4 workers.
-  budget = nonexpert + 2 * expert + kv + expert // 2
+  budget = t.per_device(2) + t.expert // 2
   c.mesh.device_memory_gb = budget / 2**30
   res = run(c, params, tmp_path, "floor4")
   assert res.summary["floor"] == 4
   sizes = sizes_over_time(res)
   assert min(sizes) == 4, sizes
   # A budget under the model size fails before generation, leaving no output.
-  c.mesh.device_memory_gb = (nonexpert + MODEL.num_experts * expert // 8) / 2 / 2**30
+  c.mesh.device_memory_gb = (t.nonexpert + MODEL.num_experts * t.expert // 8) / 2 / 2**30
   out = tmp_path / "too_small"
   c.rollout.output_dir = str(out)
   with pytest.raises(runner.RolloutError, match="mesh.device_memory_gb"):
@@ -376,3 +379,53 @@ def test_route_rows_moves_blocks_within_the_mesh():
       np.testing.assert_array_equal(np.asarray(out["s"][d]), s[p:p + 1])
       assert out["k"][d].devices() == {d}
   assert len(elastic._route_fns) == n_fns + 1
+
+
+def _live_bytes(exclude):
+  """{device id: bytes} of the distinct live buffers of arrays not in `exclude` (array ids; the
+  caller keeps those arrays alive, so none of their buffers is reused). A view of an array over a
+  smaller mesh shares its buffers: counted once."""
+  seen, per_device = set(), {}
+  for a in jax.live_arrays():
+    if id(a) in exclude:
+      continue
+    for s in a.addressable_shards:
+      buf = (s.device.id, s.data.unsafe_buffer_pointer())
+      if buf not in seen:
+        seen.add(buf)
+        per_device[s.device.id] = per_device.get(s.device.id, 0) + s.data.nbytes
+  return per_device
+
+
+def test_live_bytes_match_the_floor_at_every_mesh_size(params):
+  """Every mesh size of the tiny preset from 8 workers down to the floor, by the engine's own
+  releases: each active device holds the floor's resident bytes (non-expert + its expert slots +
+  KV and slot state) within a small margin (the movers' slot-index scalars), whatever meshes were
+  built before; each released device holds nothing of the rollout."""
+  gc.collect()
+  before = jax.live_arrays()  # kept alive to the end: the test's own arrays (params)
+  devices, chain, e = jax.devices()[:8], list(range(8)), MODEL.num_experts
+  terms = memory.floor_terms(MODEL, slots_per_worker=2, max_seq_len=96, max_new_tokens=32)
+  slots = math.ceil(e / 2)
+  assert terms.floor(e, terms.per_device(slots), 8) == 2  # a budget whose floor is 2 workers
+  spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=slots, max_seq_len=96,
+                               max_prompt_len=48, max_new_tokens=32,
+                               sampling=SamplingParams(1.0, 1.0, 0), warm_up=False)
+  placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=8)
+  host_params = jax.tree.map(np.asarray, params)  # no device buffer that the engine could alias
+  eng = engine_lib.Engine(spec, host_params, devices, chain, placement, seed=0,
+                          prefetch_sizes=range(7, 1, -1))
+  eng.steps.wait_all()
+  want = terms.resident(slots)
+  margin = 4 * (slots + spec.slots_per_worker) + 64  # int32 slot indices of the movers
+  for n in range(8, 1, -1):
+    if n < 8:
+      eng.shrink(chain[8 - n:])
+    jax.block_until_ready((eng.experts, eng.cache_k, eng.state))
+    gc.collect()
+    live = _live_bytes({id(a) for a in before})
+    for w in chain[8 - n:]:
+      assert abs(live[devices[w].id] - want) <= margin, (n, w, live[devices[w].id], want)
+    for w in chain[:8 - n]:
+      assert live.get(devices[w].id, 0) <= margin, (n, w, live.get(devices[w].id))
+  assert eng.active == chain[6:]

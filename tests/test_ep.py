@@ -7,6 +7,8 @@ Measured on the 2-core CPU CI machine (jax 0.10.2), recorded next to each tolera
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 
 import jax
@@ -275,3 +277,38 @@ def test_moe_gradients_equal_dense_reference(params, setups, n):
     assert diff <= 1e-4, f"N={n} d{name}: max|diff| {diff:.3g} (scale {np.abs(w).max():.3g})"
   # Invalid tokens get no gradient from the EP layer.
   assert (np.asarray(got[0])[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("n", (3, 8))
+def test_capacity_buckets_change_no_bit(params, setups, n):
+  """Exchange buffers sized by capacity buckets (the smallest of cap/8, cap/4, cap/2, cap that
+  holds the largest count any worker sends to any worker) give bitwise the outputs of the exact
+  capacity: 'random' routing takes a smaller bucket, 'skewed' (every copy to the holders of
+  experts 6 and 7) the exact one."""
+  st = setups(n)
+  bucketed = copy.copy(st)
+  bucketed.ep = dataclasses.replace(st.ep, capacity_buckets=(8, 4, 2))
+  lp = _layer0(params)
+  t = 24
+  e2s = np.asarray(st.e2s)
+  for router in ("random", "skewed"):
+    rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
+    rng = np.random.default_rng(40 + n)
+    x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
+    if router == "skewed":
+      bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
+      rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
+      x = (np.abs(x) + 0.5) * 0.25
+    valid = rng.random(n * t) > 0.25
+    outs = [[np.asarray(a) for a in _layer_fn(s)(rest_lp, st.experts, st.shard(x), st.shard(valid))]
+            for s in (st, bucketed)]
+    for a, b in zip(*outs):
+      np.testing.assert_array_equal(a, b)
+    # the largest (source, destination) count decides the bucket
+    experts = outs[0][1].reshape(n, t, -1)
+    dest = e2s[experts] // st.slots
+    counts = [np.bincount(dest[w][valid.reshape(n, t)[w]].reshape(-1), minlength=n).max()
+              for w in range(n)]
+    cap = t * TINY.top_k
+    if router == "random":
+      assert max(counts) <= cap // 2, counts  # a smaller bucket than the exact capacity

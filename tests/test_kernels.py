@@ -2,6 +2,7 @@
 and cross-platform lowering of the compiled Pallas kernels from this CPU machine."""
 
 import functools
+import importlib
 import itertools
 import re
 
@@ -18,6 +19,8 @@ from kernels.grouped_matmul import grouped_matmul
 from kernels.permute import permute
 
 S = jax.ShapeDtypeStruct
+# the module (the package's `grouped_matmul` attribute is the function)
+gmm_lib = importlib.import_module("kernels.grouped_matmul")
 
 
 def _key(seed):
@@ -194,19 +197,99 @@ def _gmm_inputs(seed, group_ids, num_groups, tile_m, k_dim, n_dim, transpose_rhs
   return plan, lhs, rhs
 
 
+@pytest.mark.parametrize("schedule", ["weights_outer", "k_blocked"])
 @pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
-def test_grouped_matmul_pallas_equals_xla(name, group_ids):
+def test_grouped_matmul_pallas_equals_xla(name, group_ids, schedule, monkeypatch):
   num_groups, tile_m, seed = NUM_GROUPS, 8, 200 + 10 * CASE_IDS.index(name)
-  # K=384 and N=640 give 3 K-blocks and 5 N-blocks of 128 in the Pallas grid.
+  # K=384 and N=640: 5 N-blocks of 128 in either TPU schedule, 3 K-blocks of 128 in the K-blocked
+  # one (forced by a zero VMEM budget for the weights-outer one).
+  if schedule == "k_blocked":
+    monkeypatch.setattr(gmm_lib, "_TPU_VMEM_BUDGET", 0)
   plan, lhs, rhs = _gmm_inputs(seed, group_ids, num_groups, tile_m, 384, 640)
   args = (lhs, rhs, plan.tile_group, plan.num_tiles_used)
   out = _jit_gmm(*args, tile_m=tile_m)
   ref = _jit_dense(*args, tile_m)
   np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
-  out_pallas = _jit_gmm(*args, tile_m=tile_m, impl="pallas", interpret=True)
+  # a fresh trace: the schedule is chosen at trace time from the module's budget
+  pallas = jax.jit(lambda *a: grouped_matmul(*a, tile_m=tile_m, impl="pallas", interpret=True))
+  out_pallas = pallas(*args)
   assert float(jnp.max(jnp.abs(out_pallas - out))) <= 1e-5
   used_rows = int(plan.num_tiles_used) * tile_m
   assert not np.asarray(out_pallas[used_rows:]).any() and not np.asarray(out[used_rows:]).any()
+
+
+def test_grouped_matmul_xla_any_tile_order():
+  """The XLA loop takes each run of same-group tiles with one weight slice; tiles need not be
+  sorted by group (a group may come back after another), and tiles past num_tiles_used are zero."""
+  tile_m, k_dim, n_dim, groups = 8, 64, 96, 5
+  tile_group = jnp.asarray([3, 3, 0, 3, 1, 1, 1, 4, 2, 2], jnp.int32)
+  lhs = jax.random.normal(_key(900), (tile_group.shape[0] * tile_m, k_dim))
+  rhs = jax.random.normal(_key(901), (groups, k_dim, n_dim))
+  for used in (0, 1, 4, 8, 10):
+    out = _jit_gmm(lhs, rhs, tile_group, used, tile_m=tile_m)
+    ref = _jit_dense(lhs, rhs, tile_group, used, tile_m)
+    assert float(jnp.max(jnp.abs(out - ref))) <= 1e-5, used
+    assert not np.asarray(out[used * tile_m:]).any()
+
+
+def _weight_fetches(sch, tile_group, used):
+  """Weight blocks the Pallas TPU pipeline copies: it fetches a block only when the rhs index map
+  gives a different block index than on the previous grid step (row-major grid order)."""
+  fetched, prev = 0, None
+  for idx in itertools.product(*(range(d) for d in sch.grid)):
+    block = tuple(int(v) for v in sch.rhs_map(*idx, tile_group, np.asarray([used])))
+    fetched += block != prev
+    prev = block
+  return fetched
+
+
+def _pallas_cost_bytes(*args, **kw):
+  jaxpr = jax.make_jaxpr(lambda *a: grouped_matmul(*a, impl="pallas", interpret=True, **kw))(*args)
+
+  def calls(jx):  # pallas_call equations, also inside custom_vjp and other nested jaxprs
+    for e in jx.eqns:
+      if e.primitive.name == "pallas_call":
+        yield e
+      for v in e.params.values():
+        for sub in (v if isinstance(v, (tuple, list)) else [v]):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            yield from calls(sub)
+
+  (eqn,) = list(calls(jaxpr.jaxpr))
+  return eqn.params["cost_estimate"].bytes_accessed
+
+
+def test_pallas_tpu_reads_each_expert_once_at_decode_shapes():
+  """Decode shape (8-row tiles, 8-64 rows per expert, the weights a stack of several layers' slots
+  as the MoE layer passes them): the TPU schedule fetches every used expert's weight blocks once,
+  and the kernel's cost estimate counts each expert's weight bytes once (not once per tile)."""
+  tile_m, k_dim, n_dim, slots, layers = 8, 256, 384, 4, 3
+  sizes = [8, 64, 0, 30]  # rows per slot: one tile, eight tiles, empty, four tiles
+  ids = np.repeat(np.arange(slots), sizes).astype(np.int32)
+  plan = _plan(ids, slots, tile_m)
+  tg = plan.tile_group + 1 * slots  # layer 1 of the stack, as moe.py offsets it
+  used, num_tiles = int(plan.num_tiles_used), plan.tile_group.shape[0]
+  assert used == 1 + 8 + 4 < num_tiles
+  sch = gmm_lib._tpu_schedule(num_tiles * tile_m, k_dim, n_dim, tile_m, 4, 4, False)
+  assert sch.weights_outer
+  n_blocks = n_dim // sch.tn
+  assert _weight_fetches(sch, np.asarray(tg), used) == 3 * n_blocks  # three non-empty experts
+  # the K-blocked schedule (long K) fetches a tile's weights per tile
+  long_k = gmm_lib._tpu_schedule(num_tiles * tile_m, 2**14, n_dim, tile_m, 4, 4, False)
+  assert not long_k.weights_outer
+  assert _weight_fetches(long_k, np.asarray(tg), used) == used * long_k.grid[1] * long_k.grid[2]
+
+  lhs = S((num_tiles * tile_m, k_dim), jnp.float32)
+  rhs = S((layers * slots, k_dim, n_dim), jnp.float32)
+  args = (lhs, rhs, S(tg.shape, jnp.int32), S((), jnp.int32))
+  w_bytes, lhs_bytes, out_bytes = k_dim * n_dim * 4, num_tiles * tile_m * k_dim * 4, \
+      num_tiles * tile_m * n_dim * 4
+  got = _pallas_cost_bytes(*args, tile_m=tile_m, num_groups=slots)
+  assert got == slots * w_bytes + lhs_bytes * n_blocks + out_bytes, got
+  # without the hint the estimate can only bound the groups by the tiles and the stack
+  assert _pallas_cost_bytes(*args, tile_m=tile_m) == min(num_tiles, layers * slots) * w_bytes + \
+      lhs_bytes * n_blocks + out_bytes
 
 
 def test_grouped_matmul_transpose_rhs_and_bf16():
@@ -259,16 +342,17 @@ def test_grouped_matmul_gradients(impl, transpose_rhs):
     assert float(jnp.max(jnp.abs(g - w))) <= 1e-4
 
 
-@functools.partial(jax.jit, static_argnums=(3,))
-def _pipeline(x_RD, group_ids, rhs, tile_m):
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _pipeline(x_RD, group_ids, rhs, tile_m, impl="xla"):
   """plan -> permute -> grouped_matmul -> unpermute, as the MoE layer runs it."""
   plan = _plan(group_ids, rhs.shape[0], tile_m)
-  y = grouped_matmul(permute(x_RD, plan.row_src), rhs, plan.tile_group, plan.num_tiles_used, tile_m=tile_m)
+  y = grouped_matmul(permute(x_RD, plan.row_src), rhs, plan.tile_group, plan.num_tiles_used,
+                     tile_m=tile_m, impl=impl, interpret=impl == "pallas")
   return permute(y, plan.row_dst)
 
 
-def _pipeline_row(x_RD, group_ids, rhs, tile_m, row):
-  return np.asarray(_pipeline(x_RD, jnp.asarray(group_ids), rhs, tile_m)[row])
+def _pipeline_row(x_RD, group_ids, rhs, tile_m, row, impl="xla"):
+  return np.asarray(_pipeline(x_RD, jnp.asarray(group_ids), rhs, tile_m, impl)[row])
 
 
 def _placement(group_ids, num_groups, tile_m, row):
@@ -277,8 +361,9 @@ def _placement(group_ids, num_groups, tile_m, row):
   return dst // tile_m, dst % tile_m
 
 
-@pytest.mark.parametrize("tile_m,k_dim,n_dim", [(16, 64, 128), (256, 256, 512)])
-def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim):
+@pytest.mark.parametrize("tile_m,k_dim,n_dim,impl", [(16, 64, 128, "xla"), (256, 256, 512, "xla"),
+                                                     (8, 64, 128, "pallas")])
+def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim, impl):
   """A row's output is bitwise the same whatever shares its tile, wherever in the tile it sits, and
   however many rows the other groups get (the row's tile index moves)."""
   num_groups, rows, row = 4, 3 * tile_m, 5
@@ -286,7 +371,7 @@ def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim):
   x = jax.random.normal(_key(501 + tile_m), (rows, k_dim))
   base_ids = _group_ids(502, rows, num_groups, p_undispatched=0.1)
   base_ids[row] = 1
-  base = _pipeline_row(x, base_ids, rhs, tile_m, row)
+  base = _pipeline_row(x, base_ids, rhs, tile_m, row, impl)
   assert np.isfinite(base).all() and base.any()
 
   rng = np.random.default_rng(503)
@@ -300,7 +385,7 @@ def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim):
     ids[row] = 1
     ids = ids.astype(np.int32)
     placements.add(_placement(ids, num_groups, tile_m, row))
-    out = _pipeline_row(x2, ids, rhs, tile_m, row)
+    out = _pipeline_row(x2, ids, rhs, tile_m, row, impl)
     assert np.array_equal(out.view(np.uint32), base.view(np.uint32)), f"trial {trial}"
   # The trials did move the row: other tile indices and other positions inside the tile.
   assert len({t for t, _ in placements}) > 1 and len({p for _, p in placements}) > 1, placements
@@ -372,6 +457,12 @@ def test_pallas_kernels_lower_for_tpu(dtype):
     fwd, grad, args = _gmm_export_fns(dtype, transpose_rhs=transpose_rhs)
     for fn in (fwd, grad):
       assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fn), platforms=["tpu"])(*args))
+  # a K too long for one VMEM weight block: the K-blocked schedule
+  long_k = (S((256, 2**15), dtype), S((2, 2**15, 256), dtype), S((2,), jnp.int32), S((), jnp.int32))
+  assert not gmm_lib._tpu_schedule(256, 2**15, 256, 128, jnp.dtype(dtype).itemsize, 4,
+                                   False).weights_outer
+  fk = lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=128, impl="pallas")
+  assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fk), platforms=["tpu"])(*long_k))
   fp = lambda x, s: permute(x, s, impl="pallas")
   exp = jax.export.export(jax.jit(fp), platforms=["tpu"])(S((100, 256), dtype), S((512,), jnp.int32))
   assert "tpu_custom_call" in _custom_calls(exp)
@@ -382,9 +473,11 @@ def test_pallas_kernels_lower_for_tpu(dtype):
   assert "tpu_custom_call" in _custom_calls(exp)
 
 
-def test_grouped_matmul_mosaic_gpu_lowers_for_cuda():
+@pytest.mark.parametrize("tile_m", [128, 8], ids=["prefill_tile", "decode_tile"])
+def test_grouped_matmul_mosaic_gpu_lowers_for_cuda(tile_m):
+  """128: the row-major wgmma kernel; 8 (the engine's decode tile): the swapped-product kernel."""
   for transpose_rhs in (False, True):
-    fwd, grad, args = _gmm_export_fns(jnp.bfloat16, transpose_rhs=transpose_rhs)
+    fwd, grad, args = _gmm_export_fns(jnp.bfloat16, tile_m=tile_m, transpose_rhs=transpose_rhs)
     for fn in (fwd, grad):
       try:
         exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)

@@ -35,6 +35,9 @@ def test_full_size_parameter_count(name, expected):
   assert n == cfg.param_count()
   assert abstract["layers"]["w1"].shape == (cfg.num_layers, cfg.num_experts, cfg.hidden_size,
                                             cfg.intermediate_size)
+  # the untraced shapes the memory floor uses are those of the init
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), tr.param_shapes(cfg)) == \
+      jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
 
   # The NNX owner too: nnx.eval_shape builds the module without allocating its params.
   model = nnx.eval_shape(lambda: tr.Mixtral(cfg, rngs=nnx.Rngs(0)))

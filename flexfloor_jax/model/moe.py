@@ -16,6 +16,7 @@ per worker; `expert_to_slot_E` maps expert -> global slot id (worker * S + slot)
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,10 @@ class EPConfig:
   chunk_tokens: int = 64  # tokens per exchange; longer inputs loop over chunks
   backend: str = "xla"  # 'xla' | 'pallas'
   interpret: bool = False  # Pallas interpret mode (CPU)
+  # Exchange capacity buckets as divisors of the exact capacity tokens*top_k, e.g. (8, 4, 2): the
+  # exchange uses the smallest capacity cap/b that holds the largest count any worker sends to
+  # any worker this chunk (one pmax), else the exact one. Empty: always the exact capacity.
+  capacity_buckets: tuple = ()
 
   @property
   def axis(self) -> str:
@@ -52,22 +57,48 @@ def _dest_positions(dest_R: jax.Array, valid_R: jax.Array, n: int, cap: int) -> 
 
 
 def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
-  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret)
+  # num_groups: the weights may be the stack of every layer's slots, the tiles reference one layer's
+  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
+            num_groups=ep.slots_per_worker)
   h1 = grouped_matmul(x_PD, w1, plan.tile_group, plan.num_tiles_used, **kw)
   h3 = grouped_matmul(x_PD, w3, plan.tile_group, plan.num_tiles_used, **kw)
   return grouped_matmul(jax.nn.silu(h1) * h3, w2, plan.tile_group, plan.num_tiles_used, **kw)
 
 
+def _exchange_capacities(cap: int, buckets) -> list[int]:
+  return sorted({max(1, -(-cap // b)) for b in buckets if b > 1} | {cap})
+
+
 def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
-  kw = dict(impl=ep.backend, interpret=ep.interpret)
   logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k, lp.get("route"))
 
   # Home side: token copies to their destination workers.
   slot_R = expert_to_slot_E[experts_TK].reshape(t * k)
   valid_R = jnp.repeat(valid_T, k)
-  cap = t * k
+  caps = _exchange_capacities(t * k, ep.capacity_buckets)
+  args = (x_TD, lp, slot_R, valid_R, weights_TK)
+  if len(caps) == 1:
+    y_TD = _exchange(caps[0], ep, *args)
+  else:
+    # Buffers of every worker must agree in shape: the bucket follows the largest count of any
+    # (source, destination) pair. Rows travel and come back exactly and every expert tile is the
+    # same GEMM whatever the buffer size, so the bucket changes no bit of the result.
+    dest_R = jnp.where(valid_R, slot_R // s, n)
+    need = jnp.max(jnp.bincount(dest_R, length=n + 1)[:n])
+    need = jax.lax.pmax(need, ep.axis)
+    branch = jnp.searchsorted(jnp.asarray(caps, jnp.int32), need.astype(jnp.int32))
+    y_TD = jax.lax.switch(branch, [functools.partial(_exchange, c, ep) for c in caps], *args)
+  return y_TD, logits_TE, experts_TK
+
+
+def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
+  """all_to_all with `cap` rows per destination (every valid copy must fit), the expert MLP on
+  the received rows, all_to_all back and the weighted combine."""
+  t, d = x_TD.shape
+  n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
+  kw = dict(impl=ep.backend, interpret=ep.interpret)
   send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
   src_S = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(
       jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
@@ -93,8 +124,7 @@ def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   back_RD = permute(y_PD, plan.row_dst, **kw).reshape(n, cap, d)
 
   home_ND = jax.lax.all_to_all(back_RD, ep.axis, 0, 0, tiled=True)
-  y_TD = combine(home_ND.reshape(rows, d), send_pos_R.reshape(t, k), weights_TK, **kw)
-  return y_TD, logits_TE, experts_TK
+  return combine(home_ND.reshape(rows, d), send_pos_R.reshape(t, k), weights_TK, **kw)
 
 
 def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: jax.Array,

@@ -67,16 +67,32 @@ def dtype_of(cfg: ModelConfig):
 # ----------------------------------------------------------------------------- init
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
-  """Seeded random init (normal(0, scale) matrices, ones for norms)."""
+def _layer_shapes(cfg: ModelConfig) -> dict:
   d, f, e, h, k, hd, nl = (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
-  dt = dtype_of(cfg)
-  shapes = {
+  return {
       "attn_norm": (nl, d), "wq": (nl, d, h * hd), "wk": (nl, d, k * hd), "wv": (nl, d, k * hd),
       "wo": (nl, h * hd, d), "mlp_norm": (nl, d), "router": (nl, d, e), "w1": (nl, e, d, f),
       "w3": (nl, e, d, f), "w2": (nl, e, f, d),
   }
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+  """The params' shapes and dtypes from the config alone, without tracing (equal to
+  `abstract_params`, tested): what the memory floor is computed from before any input check has
+  passed."""
+  dt = dtype_of(cfg)
+  s = lambda shape: jax.ShapeDtypeStruct(shape, dt)
+  d, v = cfg.hidden_size, cfg.vocab_size
+  return {"embed": s((v, d)), "layers": {k: s(v_) for k, v_ in _layer_shapes(cfg).items()},
+          "final_norm": s((d,)), "lm_head": s((d, v))}
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params:
+  """Seeded random init (normal(0, scale) matrices, ones for norms)."""
+  d = cfg.hidden_size
+  dt = dtype_of(cfg)
+  shapes = _layer_shapes(cfg)
   keys = jax.random.split(key, len(shapes) + 2)
   layers = {}
   for i, (name, shape) in enumerate(sorted(shapes.items())):

@@ -45,10 +45,13 @@ class FloorError(ValueError):
 
 
 def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
-                  kv_bytes_per_worker: int, device_memory_bytes: int, max_workers: int) -> int:
-  """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV fit on each device."""
+                  kv_bytes_per_worker: int, device_memory_bytes: int, max_workers: int,
+                  workspace_bytes: int = 0) -> int:
+  """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV + workspace fit on each
+  device (`workspace_bytes`: what a release or migration holds in flight on one device)."""
   def need(n):
-    return nonexpert_bytes + math.ceil(num_experts / n) * expert_bytes + kv_bytes_per_worker
+    return (nonexpert_bytes + math.ceil(num_experts / n) * expert_bytes + kv_bytes_per_worker
+            + workspace_bytes)
   for n in range(1, max_workers + 1):
     if need(n) <= device_memory_bytes:
       return n
@@ -56,8 +59,8 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
   raise FloorError(
       f'model does not fit on {max_workers} workers: each needs {need(max_workers) / gib:.2f} GiB '
       f'(non-expert {nonexpert_bytes / gib:.2f} + {math.ceil(num_experts / max_workers)} of '
-      f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f}) '
-      f'but a device has {device_memory_bytes / gib:.2f} GiB')
+      f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f} + '
+      f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
 
 
 def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | None:
