@@ -21,6 +21,7 @@ w2 = down. Layers stack on axis 0 (names: transformer.py docstring).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -395,9 +396,28 @@ def _orbax_config(path: str) -> ModelConfig:
     raise CheckpointError(f"{cfg_path}: {e}") from None
 
 
+@functools.cache
+def _finite_program():
+  import jax
+  import jax.numpy as jnp
+  return jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def finite_flags(arrays) -> list[bool]:
+  """Whether each array holds only finite values, from one compiled program and one transfer.
+  One program per array would put a cross-device reduction per array in flight at once on a
+  sharded tree, and XLA:CPU can then leave one device's participant of an all-reduce unscheduled
+  until its rendezvous timeout aborts the process."""
+  import jax
+  arrays = list(arrays)
+  if not arrays:
+    return []
+  return [bool(f) for f in jax.device_get(_finite_program()(arrays))]
+
+
 def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
-  """Every array floating point and finite (one reduction per array, one transfer in all);
-  CheckpointError naming the first bad tensor otherwise."""
+  """Every array floating point and finite; CheckpointError naming the first bad tensor
+  otherwise."""
   import jax
   import jax.numpy as jnp
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
@@ -405,7 +425,7 @@ def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' has dtype {x.dtype}; "
                             f"the model's dtype is {cfg.dtype}")
-  ok = jax.device_get([jnp.all(jnp.isfinite(x)) for _, x in leaves])
+  ok = finite_flags(x for _, x in leaves)
   for (kp, _), good in zip(leaves, ok):
     if not good:
       raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' holds NaN or "

@@ -144,10 +144,10 @@ def nonfinite_leaf(tree) -> Optional[str]:
   """The path of the first array in `tree` holding a NaN or an infinity, else None."""
   import jax
   import jax.numpy as jnp
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  flags = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else True
-           for _, x in leaves]
-  for (kp, _), ok in zip(leaves, jax.device_get(flags)):
+  from flexfloor_jax.model.checkpoint import finite_flags
+  leaves = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  for (kp, _), ok in zip(leaves, finite_flags(x for _, x in leaves)):
     if not ok:
       return jax.tree_util.keystr(kp)
   return None
