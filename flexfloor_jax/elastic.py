@@ -139,15 +139,13 @@ class RowMovers:
     jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
 
 
-def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
-  """Move slots (experts: SlotMovers; sequences: RowMovers) between devices: `shards` is
-  {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
-  slot), `movers` {device: movers}. Source slots are left
-  as they are. Returns the bytes transferred."""
-  on = lambda d: {k: b[d] for k, b in shards.items()}
-  moved, pending = 0, list(moves)
-  # Rounds in which a device is at most once a source and once a destination: a device holds at
-  # most one taken and one received slot in flight (the floor's workspace term).
+def move_rounds(moves: Sequence[tuple]):
+  """Yield `moves` ((src, src slot, dst, dst slot), in order) as rounds in which a device is at
+  most once a source and once a destination, each move in the first round that has room: a
+  device holds at most one taken and one received slot in flight (the floor's workspace term),
+  and every process builds the same rounds from the same plan, so multi-controller transfers
+  issue the same collectives in the same order."""
+  pending = list(moves)
   while pending:
     rnd, rest, srcs, dsts = [], [], set(), set()
     for m in pending:
@@ -158,6 +156,17 @@ def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
         srcs.add(m[0])
         dsts.add(m[2])
     pending = rest
+    yield rnd
+
+
+def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
+  """Move slots (experts: SlotMovers; sequences: RowMovers) between devices: `shards` is
+  {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
+  slot), `movers` {device: movers}. Source slots are left
+  as they are. Returns the bytes transferred."""
+  on = lambda d: {k: b[d] for k, b in shards.items()}
+  moved = 0
+  for rnd in move_rounds(moves):
     rows = [movers[sd].take(on(sd), movers[sd].slot[ss]) for sd, ss, _, _ in rnd]
     sent = jax.device_put(rows, [dd for _, _, dd, _ in rnd])  # one batched transfer
     del rows
@@ -236,24 +245,14 @@ def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
 def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, int, int]]):
   """Move rows (src_pos, src_row, dst_pos, dst_row) within one mesh: extract on the source,
   device_put to the destination, insert there. Returns (new tree, bytes transferred).
-  Moves are done in rounds with at most one move per source and per destination."""
+  Moves are done in rounds (move_rounds)."""
   mesh = stepset.mesh
   devs = list(mesh.devices.reshape(-1))
   n = len(devs)
   wsh = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
   rows_abs = stepset[f"rows_{group}"]
-  pending = list(moves)
   moved_bytes = 0
-  while pending:
-    rnd, used_src, used_dst, rest = [], set(), set(), []
-    for m in pending:
-      if m[0] in used_src or m[2] in used_dst:
-        rest.append(m)
-      else:
-        rnd.append(m)
-        used_src.add(m[0])
-        used_dst.add(m[2])
-    pending = rest
+  for rnd in move_rounds(moves):
     src_idx = np.full((n,), -1, np.int32)
     dst_idx = np.full((n,), -1, np.int32)
     for sp, sr, dp, dr in rnd:

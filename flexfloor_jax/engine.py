@@ -849,21 +849,9 @@ class Engine:
     moved_bytes = 0
     pieces = []  # (dst worker, dst slot, {name: buffer on dst, None on another process})
     devs_old = list(old_ss.mesh.devices.reshape(-1))
-    pending = [(old_pos[sw], ss_, dw, ds) for sw, ss_, dw, ds in moves]
     rows = None
-    while pending:
-      # Rounds with at most one expert per source and per destination (one extract per source
-      # device; the transfer gives each destination device one block). Every process builds the
-      # same rounds from the same plan, so they issue the same collectives in the same order.
-      rnd, used_src, used_dst, rest = [], set(), set(), []
-      for m in pending:
-        if m[0] in used_src or m[2] in used_dst:
-          rest.append(m)
-        else:
-          rnd.append(m)
-          used_src.add(m[0])
-          used_dst.add(m[2])
-      pending = rest
+    # One extract per source device and one block per destination device in each round.
+    for rnd in elastic.move_rounds([(old_pos[sw], ss_, dw, ds) for sw, ss_, dw, ds in moves]):
       # Cut the moving experts out on the old mesh.
       idx = np.full((len(self.active),), -1, np.int32)
       for sp, sslot, _, _ in rnd:

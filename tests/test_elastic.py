@@ -429,3 +429,12 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
     for w in chain[:8 - n]:
       assert live.get(devices[w].id, 0) <= margin, (n, w, live.get(devices[w].id))
   assert eng.active == chain[6:]
+
+
+def test_move_rounds_use_each_device_once_each_way():
+  """Hand-worked: moves keep their order, each goes to the first round where its source and its
+  destination are free."""
+  moves = [(0, 0, 2, 1), (0, 1, 3, 0), (1, 0, 2, 2), (1, 1, 3, 1), (4, 0, 2, 0)]
+  assert list(elastic.move_rounds(moves)) == [
+      [(0, 0, 2, 1), (1, 1, 3, 1)], [(0, 1, 3, 0), (1, 0, 2, 2)], [(4, 0, 2, 0)]]
+  assert list(elastic.move_rounds([])) == []
