@@ -1,6 +1,7 @@
 """Shared helpers for tests/test_ep.py and tests/test_engine.py: a tiny model, the expert-parallel
 setup of one mesh (slot layout, expert -> slot table) and per-worker forward / prefill / decode
-steps run inside `jax.shard_map` with `ep_moe`."""
+steps run inside `jax.shard_map` with `ep_moe`; the small rollout config that the elastic and
+output tests share (one set of compiled shapes)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.cli import load_config
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.moe import EPConfig, ep_moe
@@ -161,3 +163,19 @@ class CompileCounter:
   @property
   def count(self) -> int:
     return len(self.messages) + len(self.events)
+
+
+def rollout_config():
+  """The tiny preset at the shapes tests/test_elastic.py compiles: 16 sequences, 32 new tokens."""
+  c = load_config("mixtral", "tiny")
+  c.rollout.num_prompts = 4
+  c.rollout.samples_per_prompt = 4
+  c.rollout.max_new_tokens = 32
+  c.rollout.slots_per_worker = 2
+  c.rollout.steps_per_dispatch = 4
+  c.rollout.wait_compiles = True
+  c.scheduler.release_sizes = ""  # every size: the release order is what the elastic tests check
+  c.model.max_seq_len = 96
+  c.sampling.temperature = 1.0
+  c.sampling.top_p = 0.9
+  return c

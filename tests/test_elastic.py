@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+import engine_utils
 from flexfloor_jax import elastic
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax import memory
-from flexfloor_jax.cli import load_config
 from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
@@ -23,18 +23,7 @@ MODEL = PRESETS["tiny"].replace(num_layers=2)
 
 
 def get_config():
-  c = load_config("mixtral", "tiny")
-  c.rollout.num_prompts = 4
-  c.rollout.samples_per_prompt = 4
-  c.rollout.max_new_tokens = 32
-  c.rollout.slots_per_worker = 2
-  c.rollout.steps_per_dispatch = 4
-  c.rollout.wait_compiles = True
-  c.scheduler.release_sizes = ""  # every size: the release order is what these tests check
-  c.model.max_seq_len = 96
-  c.sampling.temperature = 1.0
-  c.sampling.top_p = 0.9
-  return c
+  return engine_utils.rollout_config()
 
 
 @pytest.fixture(scope="module")

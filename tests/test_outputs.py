@@ -28,10 +28,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+import engine_utils  # noqa: E402
 from rl_utils import ROOT, grpo_config  # noqa: E402
 
 from flexfloor_jax import runner  # noqa: E402
-from flexfloor_jax.cli import load_config, prepare_rollout  # noqa: E402
+from flexfloor_jax.cli import prepare_rollout  # noqa: E402
 from flexfloor_jax.policy import outputs  # noqa: E402
 from flexfloor_jax.policy.atomic import atomic_write  # noqa: E402
 from flexfloor_jax.policy.scheduler import LengthHistory  # noqa: E402
@@ -39,16 +40,7 @@ from flexfloor_jax.policy.scheduler import LengthHistory  # noqa: E402
 
 def _config(out):
   """test_elastic's shapes (compiled there already), static schedule: one mesh size."""
-  c = load_config("mixtral", "tiny")
-  c.rollout.num_prompts = 4
-  c.rollout.samples_per_prompt = 4
-  c.rollout.max_new_tokens = 32
-  c.rollout.slots_per_worker = 2
-  c.rollout.steps_per_dispatch = 4
-  c.rollout.wait_compiles = True
-  c.scheduler.release_sizes = ""
-  c.model.max_seq_len = 96
-  c.sampling.top_p = 0.9
+  c = engine_utils.rollout_config()
   c.schedule = "static"
   c.rollout.output_dir = str(out)
   return c
