@@ -7,8 +7,9 @@ group sizes (batch invariance; see DESIGN.md "Determinism").
 
 Decode shapes (8-row tiles, a few tiles per expert) are weight-bound: each expert's weights are read
 once per call where the backend allows, not once per tile. impl='xla' (the CPU default, and the path
-used for training) loops over runs of same-group tiles, one weight slice per run, with dynamic trip
-counts and a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU kernel
+used for training) runs, when the tiles are spread over the groups, group-batched rounds (the r-th
+tile of every group in one batched dot that reads the weights in place), else loops over runs of
+same-group tiles with one weight slice per run; dynamic trip counts, a `jax.custom_vjp`. impl='pallas' picks, at lowering time, a Mosaic TPU kernel
 (megablox-style, tile metadata through scalar prefetch; weight blocks outermost where a [K, tn] block
 fits VMEM), a Mosaic GPU kernel (Hopper wgmma; tile metadata read from GMEM inside the kernel
 because Mosaic GPU has no scalar prefetch; tiles under 64 rows as the swapped product W^T x^T, one
@@ -116,7 +117,9 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 def _gmm_forward(lhs, rhs, tile_group, used, tile_m, impl, interpret, out_dtype, transpose_rhs,
                  groups):
   if impl == "xla":
-    return _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
+    if rhs.shape[0] != groups:  # a stack of several layers' groups: slice one expert per run
+      return _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
+    return _gmm_xla_auto(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
   return _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, interpret,
                      groups)
 
@@ -164,6 +167,50 @@ def _gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
 
   init = (jnp.int32(0), jnp.zeros((num_rows, n_dim), out_dtype))
   return lax.while_loop(lambda c: c[0] < used, run, init)[1]
+
+
+def _gmm_xla_rounds(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
+  """Group-batched rounds: round r multiplies the r-th tile of every group by its weights in one
+  batched dot over all of rhs, so the weights are read in place (the run loop's per-expert slice is
+  a copy on XLA:CPU) and the trip count is the largest number of tiles of any group. Each batch
+  element is the same [tile_m, K] x [K, N] GEMM as a tile of the run loop (tests check bitwise)."""
+  num_rows, k_dim = lhs.shape
+  groups = rhs.shape[0]
+  n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  num_tiles = tile_group.shape[0]
+  used = jnp.minimum(used, num_tiles)
+  tile = jnp.arange(num_tiles, dtype=jnp.int32)
+  group_T = jnp.where(tile < used, tile_group, groups)  # unused tiles: a group past the last
+  count_G = jnp.bincount(group_T, length=groups + 1)[:groups]
+  order_T = jnp.argsort(group_T, stable=True).astype(jnp.int32)  # tiles of each group in order
+  start_G = jnp.cumsum(count_G) - count_G
+  lhs_TMK = lhs.reshape(num_tiles, tile_m, k_dim)
+  dims = (((2,), (2 if transpose_rhs else 1,)), ((0,), (0,)))
+
+  def round_(r, out_TMN):
+    has_G = r < count_G
+    tile_G = jnp.where(has_G, order_T[jnp.minimum(start_G + r, num_tiles - 1)], num_tiles)
+    x_GMK = jnp.take(lhs_TMK, jnp.minimum(tile_G, num_tiles - 1), axis=0)
+    y_GMN = lax.dot_general(x_GMK, rhs, dims, preferred_element_type=jnp.float32)
+    return out_TMN.at[tile_G].set(y_GMN.astype(out_dtype), mode="drop")
+
+  out = lax.fori_loop(0, jnp.max(count_G), round_,
+                      jnp.zeros((num_tiles, tile_m, n_dim), out_dtype))
+  return out.reshape(num_rows, n_dim)
+
+
+def _gmm_xla_auto(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
+  """Rounds where they waste little (each round multiplies every group, used or not: decode
+  shapes, where the weight reads dominate), the run loop otherwise (skewed or prefill shapes).
+  Both compute every tile with the same GEMM, so the choice changes no bit of the result."""
+  groups, num_tiles = rhs.shape[0], tile_group.shape[0]
+  used = jnp.minimum(used, num_tiles)
+  group_T = jnp.where(jnp.arange(num_tiles) < used, tile_group, groups)
+  rounds = jnp.max(jnp.bincount(group_T, length=groups + 1)[:groups])
+  args = (lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
+  return lax.cond(rounds * groups <= 2 * used,
+                  lambda a: _gmm_xla_rounds(*a[:4], *args[4:]),
+                  lambda a: _gmm_xla(*a[:4], *args[4:]), args[:4])
 
 
 def _tgmm_xla(lhs, d_out, tile_group, used, num_groups, tile_m):

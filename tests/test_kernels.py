@@ -232,6 +232,37 @@ def test_grouped_matmul_xla_any_tile_order():
     assert not np.asarray(out[used * tile_m:]).any()
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tile_m,transpose_rhs", [(8, False), (8, True), (32, False)])
+def test_grouped_matmul_xla_rounds_equal_run_loop_bitwise(dtype, tile_m, transpose_rhs):
+  """The XLA forward picks group-batched rounds (weights read in place) or the run loop (one slice
+  per run) from the tile counts; the choice must not change a bit, in any tile order, with empty
+  groups and unused tiles, or a token's output would depend on its batch company."""
+  k_dim, n_dim, groups = 64, 96, 5
+  rng = np.random.default_rng(tile_m + 7 * transpose_rhs)
+  shape = (groups, n_dim, k_dim) if transpose_rhs else (groups, k_dim, n_dim)
+  rhs = jax.random.normal(_key(910 + tile_m), shape, dtype)
+  kw = dict(tile_m=tile_m, out_dtype=dtype, transpose_rhs=transpose_rhs)
+  rounds = jax.jit(functools.partial(gmm_lib._gmm_xla_rounds, **kw))
+  run_loop = jax.jit(functools.partial(gmm_lib._gmm_xla, **kw))
+  auto = jax.jit(functools.partial(gmm_lib._gmm_xla_auto, **kw))
+  layouts = [np.repeat(np.arange(groups), 2),  # balanced decode: rounds
+             np.asarray([3, 3, 0, 3, 1, 1, 1, 4, 2, 2]),  # unsorted, a group comes back
+             np.asarray([0] * 9 + [4]),  # skewed: the run loop
+             rng.integers(0, groups, 10)]
+  for i, tile_group in enumerate(layouts):
+    tile_group = jnp.asarray(tile_group, jnp.int32)
+    lhs = jax.random.normal(_key(920 + i), (tile_group.shape[0] * tile_m, k_dim), dtype)
+    for used in (0, 3, 10):
+      args = (lhs, rhs, tile_group, jnp.int32(used))
+      ref = run_loop(*args)
+      assert np.array_equal(np.asarray(rounds(*args)), np.asarray(ref)), (i, used)
+      assert np.array_equal(np.asarray(auto(*args)), np.asarray(ref)), (i, used)
+      assert not np.asarray(ref[used * tile_m:]).any()
+      if used:
+        assert np.asarray(ref[:tile_m]).any()
+
+
 def _weight_fetches(sch, tile_group, used):
   """Weight blocks the Pallas TPU pipeline copies: it fetches a block only when the rhs index map
   gives a different block index than on the previous grid step (row-major grid order)."""
