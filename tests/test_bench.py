@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -104,8 +105,13 @@ def test_sim_cli_calibrates_on_bench_runs(small_bench):
        f"--calibrate={runs / 'static_e0.json'},{runs / 'flexfloor_e0.json'}",
        f"--predict={runs / 'flexfloor_e1.json'},{runs / 'static_e1.json'}"],
       cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert r.returncode in (0, 1), r.stderr  # 1: a wall prediction outside 25% (machine noise)
   assert r.stdout.count("(exact)") == 4 and "MISMATCH" not in r.stdout, r.stdout
+  # Wall predictions on a shared machine may miss; the exit code must say whether one did
+  # (1: a held-out wall prediction outside 25%), as the printed errors show.
+  held_out = [ln for ln in r.stdout.splitlines() if ln.strip().startswith("held out")]
+  errors = [float(re.search(r"\(([+-][0-9.]+)%\)$", ln.strip()).group(1)) for ln in held_out]
+  assert len(errors) == 2, r.stdout
+  assert r.returncode == (0 if all(abs(e) <= 25.0 for e in errors) else 1), (r.stdout, r.stderr)
 
 
 def _cli(tmp_path, *args, timeout=300):
