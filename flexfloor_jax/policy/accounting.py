@@ -1,4 +1,4 @@
-"""Occupancy accounting: a rollout's Timeline -> the metrics of summary.json (names in DESIGN.md).
+"""Occupancy accounting: a rollout's Timeline -> the metrics of summary.json (README "Measures").
 
 Step convention. Steps are the SPMD steps of the rollout (prefill and decode), numbered 0, 1, ... A
 "step count" s means "after s steps". A worker is occupied from its start (step count 0) until its
