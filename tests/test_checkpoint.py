@@ -18,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from flexfloor_jax.model import checkpoint as ck  # noqa: E402
+from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
 from flexfloor_jax.model import transformer as tr  # noqa: E402
 from flexfloor_jax.model.config import BYTE_VOCAB, PRESETS, ModelConfig  # noqa: E402
 from flexfloor_jax import tokenizer as tok_lib  # noqa: E402
@@ -64,9 +65,9 @@ def _bitwise_equal(a, b) -> bool:
 def test_layouts_load_identically(hf_dirs):
   """Hub / fused, single / sharded: same params bit for bit, and the mapping is the documented
   one (transpose, w1 = gate, w3 = up, w2 = down, layers stacked on axis 0)."""
-  cfg, ref = ck.load_hf(hf_dirs["hub"])
+  cfg, ref = hf.load_hf(hf_dirs["hub"])
   for name in ("hub_sharded", "fused_sharded"):
-    c, p = ck.load_hf(hf_dirs[name])
+    c, p = hf.load_hf(hf_dirs[name])
     assert c == cfg
     assert _bitwise_equal(p, ref), name
   sd = {k: v.numpy() for k, v in hf_dirs["model"].state_dict().items()}
@@ -114,7 +115,7 @@ def test_inspect_reads_no_tensor(hf_dirs, monkeypatch):
 
   monkeypatch.setattr(safetensors, "safe_open", HeadersOnly)
   for name in ("hub", "hub_sharded", "fused_sharded"):
-    cfg = ck.inspect_hf(hf_dirs[name])
+    cfg = hf.inspect_hf(hf_dirs[name])
     assert (cfg.num_layers, cfg.num_experts, cfg.head_dim, cfg.vocab_size) == (2, 4, 24, 100)
 
 
@@ -124,12 +125,12 @@ def test_bf16_checkpoint(tmp_path):
 
   model = hf_utils.build_model(hf_utils.mixtral_config(**SMALL), seed=5).to(torch.bfloat16)
   hf_utils.save(model, str(tmp_path))
-  cfg, params = ck.load_hf(str(tmp_path))
+  cfg, params = hf.load_hf(str(tmp_path))
   assert cfg.dtype == "bfloat16"
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params))
   ref = model.state_dict()["model.layers.1.self_attn.q_proj.weight"].float().numpy().T
   np.testing.assert_array_equal(np.asarray(params["layers"]["wq"][1], np.float32), ref)
-  cfg32, p32 = ck.load_hf(str(tmp_path), dtype="float32")
+  cfg32, p32 = hf.load_hf(str(tmp_path), dtype="float32")
   assert cfg32.dtype == "float32" and p32["embed"].dtype == jnp.float32
 
 
@@ -139,7 +140,7 @@ def test_tied_embeddings_without_lm_head(hf_dirs, tmp_path):
   config = _load_json(os.path.join(hf_dirs["hub"], "config.json"))
   config["tie_word_embeddings"] = True
   hf_utils.write_single(str(tmp_path), tensors, config)
-  _, params = ck.load_hf(str(tmp_path))
+  _, params = hf.load_hf(str(tmp_path))
   np.testing.assert_array_equal(params["lm_head"], tensors["model.embed_tokens.weight"].T)
 
 
@@ -155,11 +156,11 @@ def test_config_fields():
       "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
       "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
       "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000}
-  assert ck.config_from_hf(mixtral_8x7b) == PRESETS["8x7b"]
+  assert hf.config_from_hf(mixtral_8x7b) == PRESETS["8x7b"]
   v5 = dict(mixtral_8x7b, head_dim=None, sliding_window=7, eos_token_id=[5, 2], dtype="float32",
             rope_parameters={"rope_type": "default", "rope_theta": 123.0})
   del v5["rope_theta"], v5["torch_dtype"]
-  cfg = ck.config_from_hf(v5)
+  cfg = hf.config_from_hf(v5)
   assert (cfg.head_dim, cfg.sliding_window, cfg.eos_id, cfg.rope_theta, cfg.dtype) == (
       128, 7, 5, 123.0, "float32")
 
@@ -175,7 +176,7 @@ def _copy(src: str, dst) -> str:
 
 def _raises(path: str, *needles: str):
   """inspect_hf, load_hf and load_checkpoint all fail with one CheckpointError naming these."""
-  for fn in (ck.inspect_hf, ck.load_hf, lambda p: ck.load_checkpoint(p, PRESETS["tiny"])):
+  for fn in (hf.inspect_hf, hf.load_hf, lambda p: ck.load_checkpoint(p, PRESETS["tiny"])):
     with pytest.raises(ck.CheckpointError) as e:
       fn(path)
     for n in needles:
@@ -184,7 +185,7 @@ def _raises(path: str, *needles: str):
 
 def test_error_missing_dir(tmp_path):
   missing = str(tmp_path / "nope")
-  for fn in (ck.inspect_hf, ck.load_hf):
+  for fn in (hf.inspect_hf, hf.load_hf):
     with pytest.raises(ck.CheckpointError, match="nope"):
       fn(missing)
   with pytest.raises(ck.CheckpointError, match="not a checkpoint"):
@@ -194,7 +195,7 @@ def test_error_missing_dir(tmp_path):
 def test_error_missing_config(hf_dirs, tmp_path):
   path = _copy(hf_dirs["hub"], tmp_path / "c")
   os.remove(os.path.join(path, "config.json"))
-  for fn in (ck.inspect_hf, ck.load_hf):
+  for fn in (hf.inspect_hf, hf.load_hf):
     with pytest.raises(ck.CheckpointError, match="config.json"):
       fn(path)
   with pytest.raises(ck.CheckpointError, match=str(tmp_path / "c")):
@@ -212,10 +213,10 @@ def test_error_model_type(hf_dirs, tmp_path):
 
 def test_error_missing_shard(hf_dirs, tmp_path):
   path = _copy(hf_dirs["fused_sharded"], tmp_path / "c")
-  index = _load_json(os.path.join(path, ck.INDEX_FILE))
+  index = _load_json(os.path.join(path, hf.INDEX_FILE))
   key, shard = sorted(index["weight_map"].items())[3]
   os.remove(os.path.join(path, shard))
-  _raises(path, ck.INDEX_FILE, shard, "key '")
+  _raises(path, hf.INDEX_FILE, shard, "key '")
 
 
 @pytest.mark.parametrize("layout", ["hub", "fused_sharded"])
@@ -232,7 +233,7 @@ def test_error_missing_key(hf_dirs, tmp_path, layout):
 def test_error_missing_key_named_by_index(hf_dirs, tmp_path):
   """The index names a key its file does not hold."""
   path = _copy(hf_dirs["hub_sharded"], tmp_path / "c")
-  index_path = os.path.join(path, ck.INDEX_FILE)
+  index_path = os.path.join(path, hf.INDEX_FILE)
   index = _load_json(index_path)
   index["weight_map"]["model.layers.0.extra.weight"] = index["weight_map"]["model.norm.weight"]
   _dump_json(index, index_path)
@@ -309,7 +310,7 @@ def test_orbax_sharded_8_restores_onto_4_and_1(tmp_path):
 
 def test_load_checkpoint_dispatch(hf_dirs, tmp_path):
   assert ck.load_checkpoint("", PRESETS["tiny"]) is None
-  assert ck.inspect_checkpoint(hf_dirs["hub"]) == ck.inspect_hf(hf_dirs["hub"])
+  assert ck.inspect_checkpoint(hf_dirs["hub"]) == hf.inspect_hf(hf_dirs["hub"])
   cfg, params = ck.load_checkpoint(hf_dirs["fused_sharded"], PRESETS["tiny"], dtype="bfloat16")
   assert cfg.num_experts == 4 and cfg.dtype == "bfloat16"
   assert params["layers"]["w1"].dtype == jnp.bfloat16

@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from flexfloor_jax.model import checkpoint as ck  # noqa: E402
+from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
 from flexfloor_jax.model import transformer as tr  # noqa: E402
 
 LOGIT_TOL = 1e-4  # fp32, ours vs torch
@@ -50,7 +51,7 @@ class Case:
     self.path = os.path.join(root, name)
     self.torch_model = hf_utils.make_checkpoint(
         self.path, name, seed=0, fused=fused, max_shard_size="200KB" if fused else None)
-    self.cfg, self.params = ck.load_hf(self.path)
+    self.cfg, self.params = hf.load_hf(self.path)
     cfg = self.cfg
     self.forward = jax.jit(lambda p, t, v: tr.forward(p, cfg, t, valid_BT=v)[0])
     self.prefill = jax.jit(lambda p, t, n: tr.prefill(p, cfg, t, n)[:3])
@@ -89,7 +90,7 @@ def test_layouts_as_written(cases):
   assert "model.layers.0.block_sparse_moe.experts.7.w1.weight" in keys["gqa"]
   assert not any("gate_up_proj" in k for k in keys["gqa"])
   assert "model.layers.0.mlp.experts.gate_up_proj" in keys["swa"]
-  assert os.path.exists(os.path.join(cases["swa"].path, ck.INDEX_FILE))
+  assert os.path.exists(os.path.join(cases["swa"].path, hf.INDEX_FILE))
 
 
 def test_config_dimensions(cases):
