@@ -1,4 +1,4 @@
-"""Model dimensions. A checkpoint's config.json overrides every field here (see checkpoint.py)."""
+"""Model dimensions. A checkpoint's config.json overrides every field here (see hf_checkpoint.py)."""
 
 from __future__ import annotations
 
