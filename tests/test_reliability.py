@@ -49,11 +49,11 @@ def _abstract(tree):
 
 
 def _saved(tmp_path, steps=(2, 3)):
-  from flexfloor_jax.rl import train
+  from flexfloor_jax.rl import checkpoints as ckpts
   c = grpo_config(tmp_path / "run")
   for k in steps:
     p, o = _state(k)
-    train.save_checkpoint(c, k, p, o, LengthHistory({"q": {k - 1: [3, 4]}}, model="cfg-m"))
+    ckpts.save_checkpoint(c, k, p, o, LengthHistory({"q": {k - 1: [3, 4]}}, model="cfg-m"))
   return c
 
 
@@ -89,12 +89,12 @@ def _damage(step_dir, how):
   elif how == "incomplete":  # killed before meta.json was written
     os.unlink(meta)
   elif how == "nan_values":
-    from flexfloor_jax.rl import train
+    from flexfloor_jax.rl import checkpoints as ckpts
     import jax.numpy as jnp
     p, o = _state(3)
     p["w"] = p["w"].at[1, 2].set(jnp.nan)
     c = grpo_config(os.path.dirname(os.path.dirname(step_dir)))
-    train.save_checkpoint(c, 3, p, o, LengthHistory({"q": {2: [3, 4]}}, model="cfg-m"))
+    ckpts.save_checkpoint(c, 3, p, o, LengthHistory({"q": {2: [3, 4]}}, model="cfg-m"))
   elif how == "history_out_of_range":
     with open(meta) as fh:
       m = json.load(fh)
@@ -113,13 +113,13 @@ DAMAGE = ("deleted_data_file", "truncated_data_file", "truncated_data_file_no_si
 def test_resume_skips_damaged_newest_checkpoint(tmp_path, caplog, how):
   """Before: a tensorstore dump, a one-line JSON error naming no file, or NaN weights resumed.
   Now: step 2 is restored exactly, and the warning names step_3."""
-  from flexfloor_jax.rl import train
+  from flexfloor_jax.rl import checkpoints as ckpts
   c = _saved(tmp_path)
   step3 = os.path.join(c.output_dir, "checkpoints", "step_3")
   _damage(step3, how)
   p2, o2 = _state(2)
-  with caplog.at_level(logging.WARNING, logger=train.__name__):
-    k, params, opt_state, history = train.resume_state(c, _abstract(p2), _abstract(o2),
+  with caplog.at_level(logging.WARNING, logger=ckpts.__name__):
+    k, params, opt_state, history = ckpts.resume_state(c, _abstract(p2), _abstract(o2),
                                                        "cfg-m", max_new_tokens=12)
   assert k == 2
   assert np.array_equal(np.asarray(params["w"]), np.asarray(p2["w"]))
@@ -131,41 +131,41 @@ def test_resume_skips_damaged_newest_checkpoint(tmp_path, caplog, how):
 
 def test_stray_entries_are_not_checkpoints(tmp_path):
   """Before: `checkpoints/step_6.bak` gave "invalid literal for int()" naming no file."""
-  from flexfloor_jax.rl import train
+  from flexfloor_jax.rl import checkpoints as ckpts
   c = _saved(tmp_path)
   root = os.path.join(c.output_dir, "checkpoints")
   shutil.copytree(os.path.join(root, "step_3"), os.path.join(root, "step_6.bak"))
   with open(os.path.join(root, "step_9"), "w") as f:  # a file, not a directory
     f.write("notes")
   os.makedirs(os.path.join(root, "step_x"))
-  assert train.latest_checkpoint(c)[0] == 3
+  assert ckpts.latest_checkpoint(c)[0] == 3
   p, o = _state(3)
-  assert train.resume_state(c, _abstract(p), _abstract(o), "cfg-m", 12)[0] == 3
+  assert ckpts.resume_state(c, _abstract(p), _abstract(o), "cfg-m", 12)[0] == 3
 
 
 def test_no_usable_checkpoint_is_an_error_naming_each(tmp_path):
   """Starting over would discard the run's checkpoints and metrics: the user decides."""
-  from flexfloor_jax.rl import train
+  from flexfloor_jax.rl import checkpoints as ckpts
   c = _saved(tmp_path)
   for k in (2, 3):
     _damage(os.path.join(c.output_dir, "checkpoints", f"step_{k}"), "truncated_meta")
   p, o = _state(2)
-  with pytest.raises(train.TrainError) as e:
-    train.resume_state(c, _abstract(p), _abstract(o), "cfg-m", 12)
+  with pytest.raises(ckpts.TrainError) as e:
+    ckpts.resume_state(c, _abstract(p), _abstract(o), "cfg-m", 12)
   assert "step_2" in str(e.value) and "step_3" in str(e.value)
 
 
 def test_prune_keeps_newest(tmp_path):
-  from flexfloor_jax.rl import train
+  from flexfloor_jax.rl import checkpoints as ckpts
   c = _saved(tmp_path, steps=(1, 2, 3, 4, 5))
   root = os.path.join(c.output_dir, "checkpoints")
   os.unlink(os.path.join(root, "step_4", "meta.json"))  # an interrupted save: not counted
   shutil.copytree(os.path.join(root, "step_1"), os.path.join(root, "step_1.bak"))
   c.keep_checkpoints = 3
-  train.prune_checkpoints(c, 5)
+  ckpts.prune_checkpoints(c, 5)
   assert sorted(os.listdir(root)) == ["step_1.bak", "step_2", "step_3", "step_5"]
   c.keep_checkpoints = 0  # keep all
-  assert train.prune_checkpoints(c, 5) == []
+  assert ckpts.prune_checkpoints(c, 5) == []
 
 
 # ----------------------------------------------------------------------------- 5. weights

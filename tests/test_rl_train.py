@@ -15,6 +15,7 @@ import time
 import pytest
 
 from flexfloor_jax.policy import scheduler
+from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import train
 
 from rl_utils import ROOT, grpo_config
@@ -54,7 +55,7 @@ def test_metrics_files_and_names(straight):
       assert k in r and r[k] is not None, k
     assert r["rollout/logprob_max_abs_diff"] <= 1e-4  # rollout vs training forward (replayed)
   assert os.path.getsize(out / "metrics.png") > 0
-  assert train.latest_checkpoint(grpo_config(out))[0] == 3
+  assert ckpts.latest_checkpoint(grpo_config(out))[0] == 3
   h = scheduler.LengthHistory.load(str(out / "history.json"))
   assert len(h) == 4 and all(sorted(h.epochs(p)) == [0, 1, 2] for p in h.data)
   # an update happened: the policy moved away from the reference (KL) and gradients are finite
@@ -79,7 +80,7 @@ def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog):
     rows = train.train(_config(run))
   assert str(ck / "step_3") in caplog.text
   assert _det(rows) == _det(full)
-  assert train.read_meta(str(ck / "step_3"), 3)["step"] == 3  # rewritten whole
+  assert ckpts.read_meta(str(ck / "step_3"), 3)["step"] == 3  # rewritten whole
   assert sorted(os.listdir(ck)) == ["step_2", "step_3", "step_6.bak"]
 
 

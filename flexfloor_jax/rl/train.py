@@ -6,14 +6,7 @@ rollout.samples_per_prompt, lengths='model', the length history passed in and up
 clipped PG + optional KL (k3) + MoE aux loss -> grad clip + AdamW -> weight sync (params
 replicated for the next rollout, timed as timing_s/update_weights).
 
-Checkpoints: <output_dir>/checkpoints/step_<k>/ holds state/ (orbax: params, opt_state) and
-meta.json (step, sampling seed, length history, the size of every file under state/), written
-last: a checkpoint without meta.json is incomplete. A restart resumes from the newest checkpoint
-that is complete and verified (meta.json readable, every state file present at its recorded size,
-orbax restores it, every value finite); newer damaged or incomplete ones are skipped with a
-warning naming them, and entries that are not step_<k> directories are ignored. Its length
-history wins over <output_dir>/history.json, and metrics.jsonl rows after it are dropped. After
-each save only the newest `keep_checkpoints` complete checkpoints are kept (0 = all).
+Checkpoints: rl/checkpoints.py.
 """
 
 from __future__ import annotations
@@ -23,8 +16,6 @@ import json
 import logging
 import math
 import os
-import re
-import shutil
 import time
 from typing import Optional
 
@@ -33,7 +24,9 @@ import numpy as np
 from flexfloor_jax.policy import scheduler
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import tasks as tasks_lib
+from flexfloor_jax.rl.checkpoints import TrainError
 
 log = logging.getLogger(__name__)
 
@@ -44,181 +37,6 @@ DETERMINISTIC_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min
                       "actor/pg_clipfrac", "actor/loss", "rollout/tokens_sha1")
 
 
-class TrainError(ValueError):
-  pass
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def _ckpt_root(config) -> str:
-  return os.path.join(config.output_dir, "checkpoints")
-
-
-_STEP_DIR = re.compile(r"step_(\d+)")
-META = "meta.json"
-
-
-def checkpoint_dirs(config) -> list[tuple[int, str]]:
-  """(step, path) of every step_<k> directory, newest first. Anything else in checkpoints/ (a
-  user's step_6.bak copy, a stray file) is not a checkpoint and is ignored."""
-  root = _ckpt_root(config)
-  if not os.path.isdir(root):
-    return []
-  out = []
-  for name in os.listdir(root):
-    m = _STEP_DIR.fullmatch(name)
-    if m and os.path.isdir(os.path.join(root, name)):
-      out.append((int(m.group(1)), os.path.join(root, name)))
-  return sorted(out, reverse=True)
-
-
-def latest_checkpoint(config) -> Optional[tuple[int, str]]:
-  """The newest complete checkpoint (meta.json written), not verified (see train's resume)."""
-  for k, path in checkpoint_dirs(config):
-    if os.path.isfile(os.path.join(path, META)):
-      return k, path
-  return None
-
-
-def _state_files(state_dir: str) -> dict[str, int]:
-  """Relative path -> size of every file orbax wrote."""
-  out = {}
-  for d, _, names in os.walk(state_dir):
-    for n in names:
-      f = os.path.join(d, n)
-      out[os.path.relpath(f, state_dir)] = os.path.getsize(f)
-  return out
-
-
-def save_checkpoint(config, step: int, params, opt_state, history) -> str:
-  import orbax.checkpoint as ocp
-  path = os.path.abspath(os.path.join(_ckpt_root(config), f"step_{step}"))
-  if os.path.exists(path):
-    shutil.rmtree(path)
-  os.makedirs(path)
-  ck = ocp.StandardCheckpointer()
-  ck.save(os.path.join(path, "state"), {"params": params, "opt_state": opt_state})
-  ck.wait_until_finished()
-  ck.close()
-  meta = {"step": step, "sampling_seed": int(config.sampling.seed),
-          "history": {p: {str(e): v for e, v in d.items()} for p, d in history.data.items()},
-          "model": history.model,
-          # Sizes let a restart tell a truncated or deleted data file before orbax reads it.
-          "files": _state_files(os.path.join(path, "state"))}
-  atomic_write(os.path.join(path, META), json.dumps(meta), durable=True)
-  return path
-
-
-class DamagedCheckpoint(Exception):
-  """A checkpoint that cannot be resumed from; the message says why, in one line."""
-
-
-def read_meta(path: str, step: int) -> dict:
-  """meta.json of step_<step>, and its recorded state files present at their sizes."""
-  f = os.path.join(path, META)
-  try:
-    with open(f) as fh:
-      meta = json.load(fh)
-  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise DamagedCheckpoint(f"{f} is unreadable ({e})") from None
-  if not isinstance(meta, dict) or meta.get("step") != step or not isinstance(
-      meta.get("history"), dict):
-    raise DamagedCheckpoint(f"{f} does not describe step {step} (fields step, history)")
-  for rel, size in (meta.get("files") or {}).items():
-    g = os.path.join(path, "state", rel)
-    if not os.path.isfile(g):
-      raise DamagedCheckpoint(f"{g} is missing")
-    if os.path.getsize(g) != size:
-      raise DamagedCheckpoint(f"{g} has {os.path.getsize(g)} bytes, {size} were written")
-  return meta
-
-
-def _first_line(e: BaseException, limit: int = 240) -> str:
-  """tensorstore errors run to kilobytes; the first line says what failed."""
-  text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-  return text if len(text) <= limit else text[:limit] + "..."
-
-
-def nonfinite_leaf(tree) -> Optional[str]:
-  """The path of the first array in `tree` holding a NaN or an infinity, else None."""
-  import jax
-  import jax.numpy as jnp
-  from flexfloor_jax.model.checkpoint import finite_flags
-  leaves = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  for (kp, _), ok in zip(leaves, finite_flags(x for _, x in leaves)):
-    if not ok:
-      return jax.tree_util.keystr(kp)
-  return None
-
-
-def load_checkpoint(path: str, params_abs, opt_abs, step: Optional[int] = None):
-  """(params, opt_state, meta) of a verified checkpoint; DamagedCheckpoint otherwise."""
-  import orbax.checkpoint as ocp
-  if step is None:
-    step = int(os.path.basename(os.path.normpath(path))[len("step_"):])
-  meta = read_meta(path, step)
-  ck = ocp.StandardCheckpointer()
-  try:
-    state = ck.restore(os.path.join(os.path.abspath(path), "state"),
-                       {"params": params_abs, "opt_state": opt_abs})
-  except Exception as e:  # tensorstore / orbax: any failure to read the state is damage here
-    raise DamagedCheckpoint(f"{path}/state cannot be restored: {_first_line(e)}") from None
-  finally:
-    ck.close()
-  bad = nonfinite_leaf(state)
-  if bad is not None:
-    raise DamagedCheckpoint(f"{path}/state: tensor {bad} holds NaN or infinite values")
-  return state["params"], state["opt_state"], meta
-
-
-def prune_checkpoints(config, newest: int) -> list[str]:
-  """After saving step `newest`: keep the newest `keep_checkpoints` complete checkpoints up to it
-  and remove older ones (and older incomplete ones: interrupted saves). Newer leftovers (damaged
-  ones skipped on resume) stay until this run overwrites them. Returns the removed paths."""
-  keep = int(config.keep_checkpoints)
-  if keep <= 0:
-    return []
-  dirs = [(k, p) for k, p in checkpoint_dirs(config) if k <= newest]
-  complete = [k for k, p in dirs if os.path.isfile(os.path.join(p, META))]
-  if newest not in complete:
-    return []
-  kept = set(complete[:keep])
-  removed = []
-  for k, p in dirs:
-    if k not in kept and k < newest:
-      shutil.rmtree(p, ignore_errors=True)
-      removed.append(p)
-  return removed
-
-
-def resume_state(config, params_abs, opt_abs, model_id: str, max_new_tokens: int):
-  """(step, params, opt_state, history) of the newest verified checkpoint, skipping damaged and
-  incomplete ones with a warning each; None when there is no checkpoint at all. TrainError when
-  checkpoints exist but none can be used (starting over would discard them: the user decides)."""
-  tried = []
-  for k, path in checkpoint_dirs(config):
-    if not os.path.isfile(os.path.join(path, META)):
-      log.warning("checkpoint %s is incomplete (no %s: its save was interrupted); skipped",
-                  path, META)
-      continue
-    try:
-      params, opt_state, meta = load_checkpoint(path, params_abs, opt_abs, k)
-      history = scheduler.LengthHistory.from_table(
-          meta["history"], os.path.join(path, META), max_new_tokens=max_new_tokens,
-          model=model_id)
-    except (DamagedCheckpoint, scheduler.HistoryError) as e:
-      log.warning("checkpoint %s is damaged, skipped: %s", path, e)
-      tried.append(f"{path} ({e})")
-      continue
-    if tried:
-      log.warning("resuming from %s, the newest usable checkpoint", path)
-    return k, params, opt_state, history
-  if tried:
-    raise TrainError(f"no usable checkpoint in {_ckpt_root(config)}: " + "; ".join(tried) +
-                     ". Move them away to start over")
-  return None
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -445,7 +263,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   start = 0
   abs_of = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
-  resumed = resume_state(config, abs_of(params), abs_of(opt_state), model_id, max_new)
+  resumed = ckpts.resume_state(config, abs_of(params), abs_of(opt_state), model_id, max_new)
   if resumed is not None:
     start, params, opt_state, history = resumed  # the checkpoint's history wins
     history.save(history_path)
@@ -559,9 +377,9 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
            "slot_utilization": s.get("slot_utilization"),
            "occupied_device_seconds": s.get("occupied_device_seconds")}
     if step % config.checkpoint_every == 0 or step == config.steps:
-      save_checkpoint(config, step, params, opt_state, history)
+      ckpts.save_checkpoint(config, step, params, opt_state, history)
       if jax.process_index() == 0:
-        prune_checkpoints(config, step)
+        ckpts.prune_checkpoints(config, step)
     row["timing_s/step"] = time.perf_counter() - t_step
     _append_metrics(metrics_path, row)
     if progress:
