@@ -1,13 +1,12 @@
 """Compiles follow the plan (policy/compile_plan.py), and a release held back by a compile that is
-not ready is counted, never silent (runner._ReadyFloor). Host-side: numpy only, no compiles."""
+not ready is counted, never silent (policy/ready_floor.py). Host-side: numpy only, no compiles."""
 
 import copy
 
 import pytest
 
-from flexfloor_jax import runner
 from flexfloor_jax.policy import compile_plan, controller, plan, planner, scheduler, stepsim
-from flexfloor_jax.policy import workload
+from flexfloor_jax.policy import ready_floor, workload
 
 N, B, E = 8, 4, 8
 SPEC = workload.WorkloadSpec(num_prompts=8, samples_per_prompt=8, seed=0, cap=256)
@@ -70,10 +69,10 @@ def test_releases_held_for_compile_are_counted(ready):
   seqs, queues, policy, _ = _setup(scheduler.LengthHistory())
   free = controller.run(seqs, queues, stepsim.SimExecutor(seqs, N, B), copy.deepcopy(policy),
                         steps_per_dispatch=8)
-  held = runner._ReadyFloor(copy.deepcopy(policy), _Compiled(ready), N, range(7, 0, -1))
+  held = ready_floor.ReadyFloor(copy.deepcopy(policy), _Compiled(ready), N, range(7, 0, -1))
   rec = controller.run(seqs, queues, stepsim.SimExecutor(seqs, N, B), held, steps_per_dispatch=8)
   held.finish(rec.timeline)
-  summary = runner.held_summary(held)
+  summary = ready_floor.held_summary(held)
   steps, free_steps = rec.metrics()["device_steps"], free.metrics()["device_steps"]
   if len(ready) == 7:  # every size compiled: the unrestricted policy's rollout, nothing held
     assert steps == free_steps

@@ -13,6 +13,7 @@ import engine_utils
 from flexfloor_jax import elastic
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax import memory
+from flexfloor_jax import rollout_inputs
 from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
@@ -340,7 +341,7 @@ def test_max_seq_len_defaults_to_what_the_run_needs(params, tmp_path):
                           for i in range(2)))
   c.rollout.lengths = str(path)
   res = run(c, params, tmp_path, "long")
-  longest = max(len(runner.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
+  longest = max(len(rollout_inputs.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
   assert res.summary["max_seq_len"] == longest + 512
   assert all(r["num_tokens"] == 3 for r in res.responses)
 
