@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import engine_utils  # noqa: E402
 from rl_utils import ROOT, grpo_config  # noqa: E402
 
-from flexfloor_jax import runner  # noqa: E402
+from flexfloor_jax import rollout_outputs, runner  # noqa: E402
 from flexfloor_jax.cli import prepare_rollout  # noqa: E402
 from flexfloor_jax.policy import outputs  # noqa: E402
 from flexfloor_jax.policy.atomic import atomic_write  # noqa: E402
@@ -216,7 +216,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
       _publish(out, {n: tag for n in sets[tag]}, owns=names)
   else:
     from flexfloor_jax.policy import accounting
-    names = list(runner.ROLLOUT_OUTPUTS)
+    names = list(rollout_outputs.ROLLOUT_OUTPUTS)
     sets = {tag: names for tag in ("RUN-A", "RUN-B", "RUN-C")}
 
     def plot(tl, path, title=None):
@@ -225,7 +225,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
     monkeypatch.setattr(accounting, "plot_timeline", plot)
 
     def publish(out, tag):
-      runner.publish_outputs(str(out), [{"prompt_id": tag, "sample": 0, "logprobs": [-1.0]}],
+      rollout_outputs.publish_outputs(str(out), [{"prompt_id": tag, "sample": 0, "logprobs": [-1.0]}],
                              {"run": tag}, None, tag, LengthHistory({tag: {0: [2]}}),
                              str(out / "history.json"))
   k = 0
@@ -299,7 +299,7 @@ def test_disk_error_names_the_file_and_keeps_the_responses(tmp_path, monkeypatch
   history, with a traceback not naming output_dir."""
   from flexfloor_jax.policy import accounting
   out = tmp_path / "out"
-  old = {n: f"A:{n}" for n in runner.ROLLOUT_OUTPUTS}
+  old = {n: f"A:{n}" for n in rollout_outputs.ROLLOUT_OUTPUTS}
   _publish(out, old)
   responses = [{"prompt_id": "p", "sample": 0, "tokens": [1, 2], "logprobs": [-0.5, -0.25]}]
   real_open = open
@@ -312,7 +312,7 @@ def test_disk_error_names_the_file_and_keeps_the_responses(tmp_path, monkeypatch
   monkeypatch.setattr(accounting, "plot_timeline",
                       lambda tl, path, title=None: full_disk(path, "wb").close())
   with pytest.raises(outputs.OutputWriteError) as e:
-    runner.publish_outputs(str(out), responses, {"x": 1.0}, None, "t",
+    rollout_outputs.publish_outputs(str(out), responses, {"x": 1.0}, None, "t",
                            LengthHistory({"p": {0: [2]}}), str(out / "history.json"))
   monkeypatch.undo()
   msg = str(e.value)
@@ -384,9 +384,9 @@ def test_logprob_check_names_the_first_response():
   rs = [{"prompt_id": "a", "sample": 0, "logprobs": [-0.1]},
         {"prompt_id": "b", "sample": 3, "logprobs": [-0.2, float("-inf")]},
         {"prompt_id": "c", "sample": 1, "logprobs": [float("nan")]}]
-  runner.check_finite_logprobs(rs[:1], 2)
+  rollout_outputs.check_finite_logprobs(rs[:1], 2)
   with pytest.raises(runner.RolloutError, match=r"epoch 2: .*prompt 'b' sample 3 .*2 response"):
-    runner.check_finite_logprobs(rs, 2)
+    rollout_outputs.check_finite_logprobs(rs, 2)
 
 
 def test_library_run_checks_history_values(tmp_path, model, no_compile):

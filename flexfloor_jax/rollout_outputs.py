@@ -1,0 +1,66 @@
+"""A rollout's outputs: responses.jsonl, summary.json, timeline.png and the length history, checked
+(finite log-probs) and published as one set (policy/outputs.py), or one OutputError naming the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from flexfloor_jax.policy import accounting, outputs, scheduler
+from flexfloor_jax.policy.accounting import jsonable
+from flexfloor_jax.rollout_inputs import RolloutError
+
+
+class OutputError(RolloutError):
+  """The outputs could not be written (disk full, read-only, ...): the message names the file.
+  `result`: the finished rollout (its responses are not lost); `staging`: the directory that
+  keeps the files written before the failure (None when nothing could be kept)."""
+
+  def __init__(self, msg: str, result=None, staging=None):
+    super().__init__(msg)
+    self.result, self.staging = result, staging
+
+
+def check_finite_logprobs(responses: list[dict], epoch: int) -> None:
+  """NaN or inf log-probs (weights or activations out of range for model.dtype) are garbage to
+  any consumer and invalid JSON in responses.jsonl: stop naming the first response, as the
+  trainer and the weight loader do for theirs."""
+  bad = [x for x in responses if not all(math.isfinite(v) for v in x["logprobs"])]
+  if bad:
+    raise RolloutError(f"epoch {epoch}: a log-prob of prompt {bad[0]['prompt_id']!r} sample "
+                       f"{bad[0]['sample']} is not finite ({len(bad)} response(s) in all): the "
+                       "model computed NaN or inf (check the weights and model.dtype); nothing "
+                       "was written")
+
+
+ROLLOUT_OUTPUTS = ("responses.jsonl", "summary.json", "timeline.png", "history.json")
+
+
+def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, title: str,
+                    history: scheduler.LengthHistory, history_path: str) -> str:
+  """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
+  timeline.png and, when it lives in `out`, history.json, published as one set; returns the
+  set's directory. Raises outputs.OutputWriteError naming the file. A history file elsewhere
+  (scheduler.history_path) is replaced on its own after the set is published."""
+  s = outputs.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS)
+  s.write("responses.jsonl",
+          "".join(json.dumps(jsonable(x), allow_nan=False) + "\n" for x in responses))
+  s.write("summary.json", json.dumps(dict(jsonable(summary, nonfinite_to_none=True),
+                                          run_id=s.run_id), indent=2, allow_nan=False))
+  with s.writing("timeline.png") as path:
+    accounting.plot_timeline(timeline, path, title=title)
+  in_set = os.path.abspath(history_path) == os.path.abspath(os.path.join(out, "history.json"))
+  if in_set:
+    with s.writing("history.json") as path:
+      history.save(path)
+  final = s.publish()
+  if not in_set:
+    try:
+      history.save(history_path)
+    except OSError as e:
+      raise outputs.OutputWriteError(
+          f"scheduler.history_path: writing {history_path} failed: "
+          f"{outputs.os_error_text(e)} (the outputs were published in {final})", final,
+          tuple(s.written)) from None
+  return final
