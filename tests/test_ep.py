@@ -323,22 +323,26 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
   """Exchange buffers sized by capacity buckets (the smallest of cap/8, cap/4, cap/2, cap that
   holds the largest count any worker sends to any worker) give bitwise the outputs of the exact
   capacity: 'random' routing takes a smaller bucket, 'skewed' (every copy to the holders of
-  experts 6 and 7) the exact one."""
+  experts 6 and 7) the exact one, 'full' (skewed, the first half of every worker's tokens valid)
+  fills a smaller bucket to its last row with invalid copies behind it (an invalid copy's -1 send
+  position once wrapped onto that row and overwrote a valid copy)."""
   st = setups(n)
   bucketed = copy.copy(st)
   bucketed.ep = dataclasses.replace(st.ep, capacity_buckets=(8, 4, 2))
   lp = _layer0(params)
   t = 24
   e2s = np.asarray(st.e2s)
-  for router in ("random", "skewed"):
+  for router in ("random", "skewed", "full"):
     rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
     rng = np.random.default_rng(40 + n)
     x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
-    if router == "skewed":
+    if router != "random":
       bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
       rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
       x = (np.abs(x) + 0.5) * 0.25
     valid = rng.random(n * t) > 0.25
+    if router == "full":
+      valid = np.tile(np.arange(t) < t // 2, n)
     outs = [[np.asarray(a) for a in _layer_fn(s)(rest_lp, st.experts, st.shard(x), st.shard(valid))]
             for s in (st, bucketed)]
     for a, b in zip(*outs):
@@ -346,11 +350,14 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
     # the largest (source, destination) count decides the bucket
     experts = outs[0][1].reshape(n, t, -1)
     dest = e2s[experts] // st.slots
-    counts = [np.bincount(dest[w][valid.reshape(n, t)[w]].reshape(-1), minlength=n).max()
-              for w in range(n)]
+    sent = np.stack([np.bincount(dest[w][valid.reshape(n, t)[w]].reshape(-1), minlength=n)
+                     for w in range(n)])  # [source, destination]
+    counts = sent.max(1)
     cap = t * TINY.top_k
     if router == "random":
       assert max(counts) <= cap // 2, counts  # a smaller bucket than the exact capacity
+    if router == "full":  # the last worker's rows of the buffer are exactly full
+      assert sent[:, -1].max() == sent.max() and sent.max() in (cap // 2, cap // 4), sent
 
 
 # ----------------------------------------------------------------------------- 4. ragged exchange

@@ -134,10 +134,13 @@ def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
   kw = dict(impl=ep.backend, interpret=ep.interpret)
   send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
-  src_S = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(
+  # Invalid copies scatter out of range: a -1 index wraps onto the last row, which a valid copy
+  # holds when the last destination's rows are exactly full (a capacity bucket).
+  drop_R = jnp.where(valid_R, send_pos_R, n * cap)
+  src_S = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(
       jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
   send_ND = permute(x_TD, src_S, **kw).reshape(n, cap, d)
-  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(slot_R % s, mode="drop")
+  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
 
   recv_ND = jax.lax.all_to_all(send_ND, ep.axis, 0, 0, tiled=True)
   recv_slot = jax.lax.all_to_all(send_slot.reshape(n, cap), ep.axis, 0, 0, tiled=True)
