@@ -466,3 +466,25 @@ def test_ragged_exchange_lowers_to_native_op(setups, platform):
   text = exported.mlir_module()
   assert text.count("@ragged_all_to_all") == 3, text.count("@ragged_all_to_all")
   assert "stablehlo.all_to_all" not in text
+
+
+def test_exchange_setting_reaches_the_layer():
+  """model.exchange: 'auto' resolves by backend (all_to_all on CPU, where ragged_all_to_all does
+  not exist), an explicit value reaches EngineSpec's EPConfig, and a bad value fails the config
+  check and EPConfig alike."""
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax.cli import load_config
+  from flexfloor_jax.runner import RolloutError, validate_config
+  spec = engine_lib.EngineSpec(cfg=TINY, slots_per_worker=2, expert_slots=4, max_seq_len=16,
+                               max_prompt_len=8, max_new_tokens=8, sampling=None)
+  auto = "all_to_all" if jax.default_backend() == "cpu" else "ragged"
+  assert spec.ep(2, 8).exchange == auto
+  assert dataclasses.replace(spec, exchange="ragged").ep(2, 8).exchange == "ragged"
+  with pytest.raises(ValueError, match="exchange"):
+    dataclasses.replace(spec, exchange="nccl").ep(2, 8)
+  c = load_config("mixtral", "tiny")
+  assert c.model.exchange == "auto"
+  validate_config(c)
+  c.model.exchange = "nccl"
+  with pytest.raises(RolloutError, match="model.exchange must be"):
+    validate_config(c)
