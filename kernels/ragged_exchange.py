@@ -28,8 +28,9 @@ def ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
                       axis_name, impl: str = "auto"):
   """See the module docstring. Must run inside a mapped context over `axis_name` (shard_map)."""
   args = (operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
-  if len({a.shape for a in args[2:]}) != 1 or input_offsets.ndim != 1:
-    raise ValueError(f"offsets and sizes must be 1-D of one length, got {[a.shape for a in args[2:]]}")
+  shapes = [a.shape for a in args[2:]]
+  if len(set(shapes)) != 1 or input_offsets.ndim != 1:
+    raise ValueError(f"offsets and sizes must be 1-D of one length, got {shapes}")
   if operand.shape[1:] != output.shape[1:] or operand.dtype != output.dtype:
     raise ValueError(f"operand {operand.shape} {operand.dtype} and output {output.shape} "
                      f"{output.dtype} must agree past the leading axis")
