@@ -25,6 +25,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.model.max_seq_len = 0
   c.model.init_seed = 0  # random init only
   c.model.init_scale = 0.1  # std of random init (large enough that logits are not flat)
+  # EP token exchange: 'auto' ('ragged' where ragged_all_to_all exists: TPU, GPU; 'all_to_all' on
+  # CPU) | 'all_to_all' (capacity tokens*top_k per destination) | 'ragged' (routed rows only)
+  c.model.exchange = "auto"
 
   c.mesh = ml_collections.ConfigDict()
   c.mesh.num_devices = 0  # workers: 0 = all devices

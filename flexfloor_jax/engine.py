@@ -35,7 +35,7 @@ from flexfloor_jax import elastic
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
-from flexfloor_jax.model.moe import EPConfig, ep_moe
+from flexfloor_jax.model.moe import EPConfig, ep_moe, resolve_exchange
 from flexfloor_jax.policy.planner import ExpertPlacement
 from flexfloor_jax.sampling import SamplingParams, sample, sample_one, sequence_key
 
@@ -59,11 +59,13 @@ class EngineSpec:
   interpret: bool = False
   warm_up: bool = True  # run each executable once at compile time (placeholder inputs)
   record_routes: bool = False  # keep every token's top-k experts per layer (RL routing replay)
+  # EP token exchange: 'auto' ('ragged' on TPU/GPU, 'all_to_all' on CPU) | 'all_to_all' | 'ragged'
+  exchange: str = "auto"
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
     return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
                     tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=self.moe_backend,
-                    interpret=self.interpret)
+                    interpret=self.interpret, exchange=resolve_exchange(self.exchange))
 
 
 # ----------------------------------------------------------------------------- shardings

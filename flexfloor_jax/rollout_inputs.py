@@ -69,6 +69,10 @@ def validate_config(config) -> None:
          f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
   _check(config.mesh.num_devices >= 0,
          f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
+  # moe.EXCHANGES plus 'auto', spelled out: validation runs before jax is imported
+  _check(config.model.get("exchange", "auto") in ("auto", "all_to_all", "ragged"),
+         f"model.exchange must be 'auto', 'all_to_all' or 'ragged', got "
+         f"{config.model.get('exchange')!r}")
   _check(config.model.max_seq_len == 0 or config.model.max_seq_len > 1,
          f"model.max_seq_len must be 0 (longest prompt + rollout.max_new_tokens, capped by the "
          f"model's max_position_embeddings) or > 1, got {config.model.max_seq_len}")

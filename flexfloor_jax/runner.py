@@ -205,7 +205,8 @@ def engine_spec(config, prep: Prepared):
   r = config.rollout
   return engine_lib.EngineSpec(
       cfg=prep.model_cfg, slots_per_worker=r.slots_per_worker, expert_slots=prep.expert_slots,
-      max_seq_len=prep.seq_len, max_prompt_len=r.max_prompt_len,
+      max_seq_len=prep.seq_len, exchange=config.model.get("exchange", "auto"),
+      max_prompt_len=r.max_prompt_len,
       max_new_tokens=r.max_new_tokens,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),

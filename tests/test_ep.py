@@ -10,12 +10,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from engine_utils import EP, TINY, EPSetup, make_params
 from flexfloor_jax.model import transformer as tfm
@@ -44,6 +45,21 @@ def setups(params):
 
 def _layer0(params):
   return {k: v[0] for k, v in params["layers"].items()}
+
+
+_VARIANTS = {}
+
+
+def _variant(setups, n, **ep_changes):
+  """The EPSetup of mesh size n with its EPConfig changed (shared, so compiled layers are too)."""
+  key = (n, tuple(sorted(ep_changes.items())))
+  if all(getattr(setups(n).ep, f) == v for f, v in ep_changes.items()):
+    return setups(n)
+  if key not in _VARIANTS:
+    st = copy.copy(setups(n))
+    st.ep = dataclasses.replace(st.ep, **ep_changes)
+    _VARIANTS[key] = st
+  return _VARIANTS[key]
 
 
 # ----------------------------------------------------------------------------- 1. EP == dense
@@ -85,6 +101,23 @@ def test_ep_forward_equals_single_device(setups, forward_case, n):
   counts = np.asarray(counts)
   assert (counts.sum(-1) == valid.sum() * TINY.top_k).all()
   np.testing.assert_array_equal(counts, ref_counts)
+
+
+@pytest.mark.parametrize("n", (1, 8))
+def test_ep_forward_ragged_exchange_bitwise(setups, forward_case, n):
+  """The full forward (every layer's experts as one stacked [L*S, ...] array) with
+  exchange='ragged' gives bitwise the logits and counts of exchange='all_to_all'; on one worker
+  the 96 tokens also take the chunked path."""
+  tokens, valid, _, _ = forward_case
+  b = -(-tokens.shape[0] // n) * n
+  tok = np.pad(tokens, ((0, b - tokens.shape[0]), (0, 0)))
+  val = np.pad(valid, ((0, b - tokens.shape[0]), (0, 0)))
+  outs = []
+  for st in (setups(n), _variant(setups, n, exchange="ragged")):
+    outs.append([np.asarray(a) for a in st.forward_fn()(st.rest, st.experts, st.shard(tok),
+                                                         st.shard(val))])
+  for a, b in zip(*outs):
+    np.testing.assert_array_equal(a, b)
 
 
 # ----------------------------------------------------------------------------- 2. bitwise decode
@@ -173,28 +206,17 @@ def _layer_fn(st):
                                out_specs=(P(EP), P(EP), P(EP)), check_vma=False))
 
 
-@pytest.mark.parametrize("n", (1, 3, 8))
-@pytest.mark.parametrize("router", ("random", "skewed"))
-def test_every_routed_copy_comes_back_once(params, setups, n, router):
-  """ep_moe on one layer equals the dense reference token by token (a dropped or duplicated copy
-  would be off by a whole expert output), invalid tokens get exactly 0, and expert_counts
-  conserve copies: per worker sum = valid tokens * top_k, equal to the bincount of the routed
-  experts. 'skewed': every token picks experts 6 and 7, so all copies of every worker go to one
-  or two destinations (the capacity tokens*top_k per destination is reached exactly).
-  Measured max|diff| (AMD EPYC): random 1.4e-6, 4.8e-7, 1.5e-6 (N=1, 3, 8); skewed 1.4e-7,
-  3.0e-8, 5.1e-6."""
-  st = setups(n)
+def _layer_inputs(params, st, n, t, router, seed):
+  """(layer-0 non-expert params, tokens [n*t, D], valid [n*t]) with about a quarter of the tokens
+  invalid; 'skewed' routes every copy to experts 6 and 7."""
   lp = _layer0(params)
   rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
   if router == "skewed":
     bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
     # Tokens with a positive mean push the logits of experts 6 and 7 far above the rest.
-    lp = {**lp, "router": lp["router"] * 0.01 + bias}
-    rest_lp = {**rest_lp, "router": lp["router"]}
-  t = 24  # tokens per worker
-  rng = np.random.default_rng(20 + n)
-  x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
-  if router == "skewed":
+    rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
     # Positive tokens (logits of 6 and 7 ~ sum(x) far above the rest), scaled so the expert
     # activations stay O(1): at |x| ~ 1.3 they reach ~22 and both fp32 paths drift ~2.5e-4 from
     # a float64 evaluation on some CPUs (AMD EPYC: ep vs dense 3.6e-4), which is conditioning,
@@ -202,6 +224,24 @@ def test_every_routed_copy_comes_back_once(params, setups, n, router):
     x = (np.abs(x) + 0.5) * 0.25
   valid = rng.random(n * t) > 0.25
   valid[0] = True
+  return rest_lp, x, valid
+
+
+@pytest.mark.parametrize("n", (1, 3, 8))
+@pytest.mark.parametrize("router", ("random", "skewed"))
+@pytest.mark.parametrize("exchange", ("all_to_all", "ragged"))
+def test_every_routed_copy_comes_back_once(params, setups, n, router, exchange):
+  """ep_moe on one layer equals the dense reference token by token (a dropped or duplicated copy
+  would be off by a whole expert output), invalid tokens get exactly 0, and expert_counts
+  conserve copies: per worker sum = valid tokens * top_k, equal to the bincount of the routed
+  experts. 'skewed': every token picks experts 6 and 7, so all copies of every worker go to one
+  or two destinations (the capacity tokens*top_k per destination is reached exactly). Both
+  exchanges ('ragged': the packed buffers and ragged_all_to_all).
+  Measured max|diff| (AMD EPYC): random 1.4e-6, 4.8e-7, 1.5e-6 (N=1, 3, 8); skewed 1.4e-7,
+  3.0e-8, 5.1e-6."""
+  st = _variant(setups, n, exchange=exchange)
+  rest_lp, x, valid = _layer_inputs(params, st, n, 24, router, 20 + n)
+  lp = {**_layer0(params), "router": rest_lp["router"]}
 
   fn = _layer_fn(st)
   y, experts, counts = (np.asarray(a) for a in fn(rest_lp, st.experts, st.shard(x),
@@ -284,22 +324,26 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
   """Exchange buffers sized by capacity buckets (the smallest of cap/8, cap/4, cap/2, cap that
   holds the largest count any worker sends to any worker) give bitwise the outputs of the exact
   capacity: 'random' routing takes a smaller bucket, 'skewed' (every copy to the holders of
-  experts 6 and 7) the exact one."""
+  experts 6 and 7) the exact one, 'full' (skewed, the first half of every worker's tokens valid)
+  fills a smaller bucket to its last row with invalid copies behind it (an invalid copy's -1 send
+  position once wrapped onto that row and overwrote a valid copy)."""
   st = setups(n)
   bucketed = copy.copy(st)
   bucketed.ep = dataclasses.replace(st.ep, capacity_buckets=(8, 4, 2))
   lp = _layer0(params)
   t = 24
   e2s = np.asarray(st.e2s)
-  for router in ("random", "skewed"):
+  for router in ("random", "skewed", "full"):
     rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
     rng = np.random.default_rng(40 + n)
     x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
-    if router == "skewed":
+    if router != "random":
       bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
       rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
       x = (np.abs(x) + 0.5) * 0.25
     valid = rng.random(n * t) > 0.25
+    if router == "full":
+      valid = np.tile(np.arange(t) < t // 2, n)
     outs = [[np.asarray(a) for a in _layer_fn(s)(rest_lp, st.experts, st.shard(x), st.shard(valid))]
             for s in (st, bucketed)]
     for a, b in zip(*outs):
@@ -307,8 +351,143 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
     # the largest (source, destination) count decides the bucket
     experts = outs[0][1].reshape(n, t, -1)
     dest = e2s[experts] // st.slots
-    counts = [np.bincount(dest[w][valid.reshape(n, t)[w]].reshape(-1), minlength=n).max()
-              for w in range(n)]
+    sent = np.stack([np.bincount(dest[w][valid.reshape(n, t)[w]].reshape(-1), minlength=n)
+                     for w in range(n)])  # [source, destination]
+    counts = sent.max(1)
     cap = t * TINY.top_k
     if router == "random":
       assert max(counts) <= cap // 2, counts  # a smaller bucket than the exact capacity
+    if router == "full":  # the last worker's rows of the buffer are exactly full
+      assert sent[:, -1].max() == sent.max() and sent.max() in (cap // 2, cap // 4), sent
+
+
+# ----------------------------------------------------------------------------- 4. ragged exchange
+
+
+def _ragged_model(operands, outputs, in_off, send, out_off, recv):
+  """numpy model of ragged_all_to_all, written from its documented SEND / RECEIVE pseudocode:
+  worker w's slice i goes to worker i // (K / N) and lands at w's output_offsets[i] there."""
+  n, k = in_off.shape
+  per = k // n
+  results = [o.copy() for o in outputs]
+  for w in range(n):
+    for i in range(k):
+      dst = i // per
+      sl = operands[w][in_off[w, i]: in_off[w, i] + send[w, i]]
+      # the receiver's recv_sizes entry for this slice: its slice (w * per + i % per)
+      assert recv[dst, w * per + i % per] == send[w, i]
+      results[dst][out_off[w, i]: out_off[w, i] + send[w, i]] = sl
+  return results
+
+
+@pytest.mark.parametrize("per", (1, 2))
+def test_ragged_all_to_all_reference_matches_numpy_model(per):
+  """The pure-JAX ragged_all_to_all (what the ragged exchange runs on CPU) on 4 workers with
+  random slice sizes (zeros included), slices laid out in random order with gaps on the sending
+  side, written in random order with gaps on the receiving side, 1 or 2 slices per destination:
+  equals the numpy model row for row, and rows nobody writes keep `output`'s values."""
+  from kernels.ragged_exchange import ragged_all_to_all
+  n, rows_in, rows_out, d = 4, 24, 40, 3
+  k = n * per
+  rng = np.random.default_rng(50 + per)
+  send = rng.integers(0, 4, (n, k))  # slice i of worker w: send[w, i] rows
+  send[0, 0] = 0
+  in_off = np.zeros((n, k), np.int64)
+  for w in range(n):  # sender layout: random slice order, random gaps
+    at = 0
+    for i in rng.permutation(k):
+      at += int(rng.integers(0, 2))
+      in_off[w, i], at = at, at + send[w, i]
+    assert at <= rows_in
+  recv = np.zeros((n, k), np.int64)
+  out_off = np.zeros((n, k), np.int64)
+  for dst in range(n):  # receiver layout: its incoming slices in random order, random gaps
+    incoming = [(w, dst * per + l) for w in range(n) for l in range(per)]
+    at = 0
+    for j in rng.permutation(len(incoming)):
+      w, i = incoming[j]
+      at += int(rng.integers(0, 3))
+      out_off[w, i], at = at, at + send[w, i]
+      recv[dst, w * per + i % per] = send[w, i]
+    assert at <= rows_out
+  operands = rng.standard_normal((n, rows_in, d)).astype(np.float32)
+  outputs = rng.standard_normal((n, rows_out, d)).astype(np.float32)
+  want = np.stack(_ragged_model(operands, outputs, in_off, send, out_off, recv))
+  assert not np.array_equal(want, outputs)
+
+  mesh = jax.make_mesh((n,), (EP,), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  fn = jax.jit(jax.shard_map(
+      lambda *a: ragged_all_to_all(*(x[0] for x in a), axis_name=EP, impl="reference")[None],
+      mesh=mesh, in_specs=P(EP), out_specs=P(EP), check_vma=False))
+  i32 = lambda a: jnp.asarray(a, jnp.int32)
+  got = fn(operands, outputs, i32(in_off), i32(send), i32(out_off), i32(recv))
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("n,chunk", [(n, 64) for n in MESH_SIZES] + [(1, 8), (8, 8)])
+def test_ragged_exchange_bitwise_equals_all_to_all(params, setups, n, chunk):
+  """exchange='ragged' (the reference ragged_all_to_all on CPU) gives bitwise the outputs, routed
+  experts and counts of exchange='all_to_all' on every mesh size, for random routing and for
+  'skewed' routing (every copy of every worker to one or two destinations: the worst case the
+  receive buffer is sized for), with invalid tokens, in one chunk (24 tokens per worker, chunk
+  64) and in three (chunk 8, on one and on eight workers)."""
+  base = _variant(setups, n, chunk_tokens=chunk)
+  ragged = _variant(setups, n, chunk_tokens=chunk, exchange="ragged")
+  for router in ("random", "skewed"):
+    rest_lp, x, valid = _layer_inputs(params, base, n, 24, router, 60 + n)
+    outs = [[np.asarray(a) for a in _layer_fn(s)(rest_lp, s.experts, s.shard(x), s.shard(valid))]
+            for s in (base, ragged)]
+    assert np.abs(outs[0][0][valid]).max() > 0.1  # a real output, not zeros on both sides
+    for a, b in zip(*outs):
+      np.testing.assert_array_equal(a, b)
+    assert (outs[1][0][~valid] == 0).all()
+
+
+@pytest.mark.parametrize("platform", ("tpu", "cuda"))
+def test_ragged_exchange_lowers_to_native_op(setups, platform):
+  """The shard_mapped EP layer with exchange='ragged' exports for TPU and CUDA from this CPU
+  machine, and there it is the native ragged_all_to_all (rows and slot ids out, rows back), not
+  the CPU reference's padded all_to_all."""
+  n = 4
+  st = _variant(setups, n, exchange="ragged")
+  rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
+  x = np.zeros((n * 8, TINY.hidden_size), np.float32)
+  valid = np.ones(n * 8, bool)
+  rest_specs = jax.tree.map(lambda _: P(), rest_lp)
+  _, expert_specs = st.specs()
+  sds = lambda tree, specs: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=NamedSharding(st.mesh, s)),
+      tree, specs)
+  args = (sds(rest_lp, rest_specs), sds(st.experts, expert_specs),
+          sds(x, P(EP)), sds(valid, P(EP)))
+  exported = jax.export.export(
+      _layer_fn(st), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")])(*args)
+  text = exported.mlir_module()
+  # a custom call today (@ragged_all_to_all); a StableHLO op should it become one
+  ops = re.findall(r"(?:@|stablehlo\.)ragged_all_to_all\b", text)
+  assert len(ops) == 3, ops
+  assert "stablehlo.all_to_all" not in text
+
+
+def test_exchange_setting_reaches_the_layer():
+  """model.exchange: 'auto' resolves by backend (all_to_all on CPU, where ragged_all_to_all does
+  not exist), an explicit value reaches EngineSpec's EPConfig, and a bad value fails the config
+  check and EPConfig alike."""
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax.cli import load_config
+  from flexfloor_jax.rollout_inputs import RolloutError, validate_config
+  spec = engine_lib.EngineSpec(cfg=TINY, slots_per_worker=2, expert_slots=4, max_seq_len=16,
+                               max_prompt_len=8, max_new_tokens=8, sampling=None)
+  auto = "all_to_all" if jax.default_backend() == "cpu" else "ragged"
+  assert spec.ep(2, 8).exchange == auto
+  assert dataclasses.replace(spec, exchange="ragged").ep(2, 8).exchange == "ragged"
+  with pytest.raises(ValueError, match="exchange"):
+    dataclasses.replace(spec, exchange="nccl").ep(2, 8)
+  c = load_config("mixtral", "tiny")
+  assert c.model.exchange == "auto"
+  validate_config(c)
+  c.model.exchange = "nccl"
+  with pytest.raises(RolloutError, match="model.exchange must be"):
+    validate_config(c)

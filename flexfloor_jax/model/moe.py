@@ -1,9 +1,21 @@
 """Expert-parallel MoE layer, run per worker inside `shard_map` over the expert axis.
 
-route top-k (home worker) -> permute token copies by destination worker -> all_to_all (capacity
-per destination = tokens*k: exact, nothing dropped) -> permute into the padded tile layout by local
-expert slot -> grouped matmuls over fixed-shape row tiles -> unpermute -> all_to_all back ->
-weighted combine in k order on the home worker.
+route top-k (home worker) -> permute token copies by destination worker -> exchange -> permute
+into the padded tile layout by local expert slot -> grouped matmuls over fixed-shape row tiles ->
+unpermute -> exchange back -> weighted combine in k order on the home worker.
+
+Two exchanges (`EPConfig.exchange`), bitwise the same result:
+- 'all_to_all' (the reference and the CPU default): `lax.all_to_all` of [N, cap, D] buffers with
+  capacity cap = tokens*k per destination (exact, nothing dropped), so every worker sends and
+  receives N x its routed rows, most of it padding; `capacity_buckets` can shrink cap per chunk.
+- 'ragged': the copies packed by destination into [tokens*k, D], one all_gather of the
+  per-destination counts (the [N, N] count matrix gives every worker the offsets of both
+  directions), `ragged_all_to_all` of the rows and their slot ids into a static worst-case
+  [N*tokens*k, D] receive buffer (rows past the received total carry slot -1), and back into the
+  packed layout. Only routed rows cross the interconnect. XLA:CPU has no ragged_all_to_all: there
+  it runs kernels/ragged_exchange.py's reference (a padded all_to_all), on TPU/GPU the native op.
+The expert side sees the received rows in the same order on both paths (by source worker, then
+by token), so the tiles and their GEMMs are identical.
 
 Batch invariance: every expert matmul is a [tile_m, D] x [D, F] GEMM whatever the group sizes, the
 combine adds the k copies in k order, and nothing is summed across workers, so a token's output
@@ -27,6 +39,20 @@ from kernels.combine import combine
 from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import grouped_matmul
 from kernels.permute import permute
+from kernels.ragged_exchange import ragged_all_to_all
+
+
+EXCHANGES = ("all_to_all", "ragged")
+
+
+def resolve_exchange(exchange: str) -> str:
+  """'auto' -> 'ragged' where the backend has ragged_all_to_all (TPU, GPU), else 'all_to_all'
+  (XLA:CPU, where the ragged path would run the reference, which moves the padded rows anyway)."""
+  if exchange == "auto":
+    return "all_to_all" if jax.default_backend() == "cpu" else "ragged"
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be 'auto' or one of {EXCHANGES}, got {exchange!r}")
+  return exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +68,13 @@ class EPConfig:
   # Exchange capacity buckets as divisors of the exact capacity tokens*top_k, e.g. (8, 4, 2): the
   # exchange uses the smallest capacity cap/b that holds the largest count any worker sends to
   # any worker this chunk (one pmax), else the exact one. Empty: always the exact capacity.
+  # 'all_to_all' exchange only (the ragged one sends no padding).
   capacity_buckets: tuple = ()
+  exchange: str = "all_to_all"  # 'all_to_all' | 'ragged' (see the module docstring)
+
+  def __post_init__(self):
+    if self.exchange not in EXCHANGES:
+      raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
 
   @property
   def axis(self) -> str:
@@ -79,7 +111,9 @@ def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   valid_R = jnp.repeat(valid_T, k)
   caps = _exchange_capacities(t * k, ep.capacity_buckets)
   args = (x_TD, lp, slot_R, valid_R, weights_TK)
-  if len(caps) == 1:
+  if ep.exchange == "ragged":
+    y_TD = _exchange_ragged(ep, *args)
+  elif len(caps) == 1:
     y_TD = _exchange(caps[0], ep, *args)
   else:
     # Buffers of every worker must agree in shape: the bucket follows the largest count of any
@@ -100,18 +134,67 @@ def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
   kw = dict(impl=ep.backend, interpret=ep.interpret)
   send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
-  src_S = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(
+  # Invalid copies scatter out of range: a -1 index wraps onto the last row, which a valid copy
+  # holds when the last destination's rows are exactly full (a capacity bucket).
+  drop_R = jnp.where(valid_R, send_pos_R, n * cap)
+  src_S = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(
       jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
   send_ND = permute(x_TD, src_S, **kw).reshape(n, cap, d)
-  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[send_pos_R].set(slot_R % s, mode="drop")
+  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
 
   recv_ND = jax.lax.all_to_all(send_ND, ep.axis, 0, 0, tiled=True)
   recv_slot = jax.lax.all_to_all(send_slot.reshape(n, cap), ep.axis, 0, 0, tiled=True)
+  back_RD = _expert_side(recv_ND.reshape(n * cap, d), recv_slot.reshape(n * cap), lp, ep)
+  home_ND = jax.lax.all_to_all(back_RD.reshape(n, cap, d), ep.axis, 0, 0, tiled=True)
+  return combine(home_ND.reshape(n * cap, d), send_pos_R.reshape(t, k), weights_TK, **kw)
 
-  # Expert side: group received rows by local slot in the padded tile layout.
-  rows = n * cap
-  plan = make_plan(recv_slot.reshape(rows), s, ep.tile_m, padded_rows(rows, s, ep.tile_m))
-  x_PD = permute(recv_ND.reshape(rows, d), plan.row_src, **kw)
+
+def _exchange_ragged(ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
+  """The copies packed by destination ([T*k] rows, no per-destination padding), one all_gather
+  of the per-destination counts, ragged_all_to_all out, the expert MLP, ragged_all_to_all back
+  into the packed layout and the weighted combine."""
+  t, d = x_TD.shape
+  n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
+  r = t * k
+  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  dest_R = slot_R // s
+  counts_N = jnp.bincount(jnp.where(valid_R, dest_R, n), length=n + 1)[:n].astype(jnp.int32)
+  start_N = jnp.cumsum(counts_N) - counts_N
+  # Stable by destination: position = start of the destination's run + rank among its copies.
+  pos_R = jnp.where(valid_R, start_N[dest_R] + _dest_positions(dest_R, valid_R, n, 0), -1)
+  drop_R = jnp.where(valid_R, pos_R, r)
+  src_S = jnp.full((r,), -1, jnp.int32).at[drop_R].set(
+      jnp.arange(r, dtype=jnp.int32) // k, mode="drop")
+  send_RD = permute(x_TD, src_S, **kw)
+  send_slot = jnp.full((r,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
+
+  # c[i, j]: copies worker i sends to worker j, known to every worker, so each side derives the
+  # offsets of both directions without a second exchange. A receiver stores its sources in
+  # worker order: rows from i start at sum(c[:i, j]) in j's buffer.
+  c_NN = jax.lax.all_gather(counts_N, ep.axis)
+  me = jax.lax.axis_index(ep.axis)
+  recv_start_NN = jnp.cumsum(c_NN, axis=0) - c_NN
+  # Worst case every worker sends all its copies to one worker: n * r rows, nothing dropped.
+  rows = n * r
+  exchange = functools.partial(ragged_all_to_all, axis_name=ep.axis)
+  fwd = (start_N, counts_N, recv_start_NN[me], c_NN[:, me])
+  recv_RD = exchange(send_RD, jnp.zeros((rows, d), x_TD.dtype), *fwd)
+  # Rows past the received total keep slot -1: make_plan skips them.
+  recv_slot = exchange(send_slot, jnp.full((rows,), -1, jnp.int32), *fwd)
+  back_RD = _expert_side(recv_RD, recv_slot, lp, ep)
+  # Back: the slice received from i returns to where it left i's packed buffer.
+  bwd = (recv_start_NN[:, me], c_NN[:, me], (jnp.cumsum(c_NN, axis=1) - c_NN)[:, me], counts_N)
+  home_RD = exchange(back_RD, jnp.zeros((r, d), back_RD.dtype), *bwd)
+  return combine(home_RD, pos_R.reshape(t, k), weights_TK, **kw)
+
+
+def _expert_side(recv_RD, recv_slot_R, lp, ep: EPConfig):
+  """Received rows (slot -1: not a copy) -> expert MLP outputs in the same row order."""
+  (rows, d), s = recv_RD.shape, ep.slots_per_worker
+  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  # Group received rows by local slot in the padded tile layout.
+  plan = make_plan(recv_slot_R, s, ep.tile_m, padded_rows(rows, s, ep.tile_m))
+  x_PD = permute(recv_RD, plan.row_src, **kw)
   # Expert slots of all layers as one [L*S, ...] stack (a free reshape): this layer's groups
   # are rows layer*S .. layer*S+S-1, so no layer's weights are copied out per step.
   # (A caller may also pass one layer's [S, ...] weights, without 'layer'.)
@@ -121,10 +204,7 @@ def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   else:
     stack = lambda w: w
   y_PD = _expert_mlp(x_PD, stack(lp["w1"]), stack(lp["w3"]), stack(lp["w2"]), plan, ep)
-  back_RD = permute(y_PD, plan.row_dst, **kw).reshape(n, cap, d)
-
-  home_ND = jax.lax.all_to_all(back_RD, ep.axis, 0, 0, tiled=True)
-  return combine(home_ND.reshape(rows, d), send_pos_R.reshape(t, k), weights_TK, **kw)
+  return permute(y_PD, plan.row_dst, **kw)
 
 
 def ep_moe(x_TD: jax.Array, lp: Params, valid_T: jax.Array, expert_to_slot_E: jax.Array,
