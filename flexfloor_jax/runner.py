@@ -90,8 +90,10 @@ def validate_config(config) -> None:
   _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
   _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
   _check(s.top_k >= 0, f"sampling.top_k must be >= 0, got {s.top_k}")
-  _check(config.model.moe_backend in ("xla", "pallas"),
-         f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
+  from flexfloor_jax.model.config import MOE_BACKENDS  # jax-free: checked before jax starts
+  _check(config.model.moe_backend in MOE_BACKENDS,
+         f"model.moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
+         f"{config.model.moe_backend!r}")
   _check(config.mesh.num_devices >= 0,
          f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
   _check(config.model.max_seq_len == 0 or config.model.max_seq_len > 1,
@@ -341,7 +343,7 @@ def _run(config, t_setup, *, devices, params, model_cfg, tokenizer, write_output
   from flexfloor_jax import mesh as mesh_lib
   from flexfloor_jax.model import checkpoint as ckpt
   from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.model.config import PRESETS, resolve_moe_backend
   from flexfloor_jax.sampling import SamplingParams, prompt_hash
   from flexfloor_jax.tokenizer import load_tokenizer
 
@@ -425,13 +427,13 @@ def _run(config, t_setup, *, devices, params, model_cfg, tokenizer, write_output
     else:
       params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
                                scale=config.model.init_scale)
+  moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend, devices[0].platform)
   spec = engine_lib.EngineSpec(
       cfg=model_cfg, slots_per_worker=b, expert_slots=slots, max_seq_len=seq_len,
       max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
-      moe_backend=config.model.moe_backend,
-      interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
+      moe_backend=moe_impl, interpret=moe_interpret,
       record_routes=bool(r.get("record_routes", False)))
   # The smaller meshes a release may leave, compiled in the order the plan reaches them (see
   # policy/compile_plan.py), each with the movers of the devices its releases touch.
