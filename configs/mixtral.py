@@ -19,7 +19,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.checkpoint = ""  # '' = random init | Hugging Face Mixtral dir | orbax dir
   c.model.dtype = "float32" if preset == "tiny" else "bfloat16"
-  c.model.moe_backend = "xla"  # 'xla' (default, fast on CPU) | 'pallas'
+  # MoE kernels: 'auto' (Pallas on TPU and CUDA GPUs, XLA on CPU, where the XLA path is the fast
+  # one) | 'xla' | 'pallas' (on CPU in interpret mode: a parity check, slow)
+  c.model.moe_backend = "auto"
   # KV cache length (prompt + response); 0 = what the run needs: the longest prompt +
   # rollout.max_new_tokens, capped by the model's max_position_embeddings
   c.model.max_seq_len = 0

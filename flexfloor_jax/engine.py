@@ -34,7 +34,7 @@ from flexfloor_jax import distributed
 from flexfloor_jax import elastic
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import ModelConfig
+from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, ep_moe, resolve_exchange
 from flexfloor_jax.policy.planner import ExpertPlacement
 from flexfloor_jax.sampling import SamplingParams, sample, sample_one, sequence_key
@@ -55,17 +55,19 @@ class EngineSpec:
   decode_tile_m: int = 8
   prefill_tile_m: int = 32
   chunk_tokens: int = 64
-  moe_backend: str = "xla"
-  interpret: bool = False
+  moe_backend: str = "auto"  # 'auto' | 'xla' | 'pallas' (model.config.resolve_moe_backend)
+  interpret: bool = False  # force Pallas interpret mode (the resolution picks it on CPU anyway)
   warm_up: bool = True  # run each executable once at compile time (placeholder inputs)
   record_routes: bool = False  # keep every token's top-k experts per layer (RL routing replay)
   # EP token exchange: 'auto' ('ragged' on TPU/GPU, 'all_to_all' on CPU) | 'all_to_all' | 'ragged'
   exchange: str = "auto"
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
+    impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())
     return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
-                    tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=self.moe_backend,
-                    interpret=self.interpret, exchange=resolve_exchange(self.exchange))
+                    tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=impl,
+                    interpret=interpret or self.interpret,
+                    exchange=resolve_exchange(self.exchange))
 
 
 # ----------------------------------------------------------------------------- shardings

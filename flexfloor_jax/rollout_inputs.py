@@ -65,8 +65,10 @@ def validate_config(config) -> None:
   _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
   _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
   _check(s.top_k >= 0, f"sampling.top_k must be >= 0, got {s.top_k}")
-  _check(config.model.moe_backend in ("xla", "pallas"),
-         f"model.moe_backend must be 'xla' or 'pallas', got {config.model.moe_backend!r}")
+  from flexfloor_jax.model.config import MOE_BACKENDS  # jax-free: checked before jax starts
+  _check(config.model.moe_backend in MOE_BACKENDS,
+         f"model.moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
+         f"{config.model.moe_backend!r}")
   _check(config.mesh.num_devices >= 0,
          f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
   # moe.EXCHANGES plus 'auto', spelled out: validation runs before jax is imported

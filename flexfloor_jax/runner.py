@@ -198,20 +198,19 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
 
 def engine_spec(config, prep: Prepared):
   """The EngineSpec of this rollout (one compiled shape per mesh size)."""
-  import jax
-
   from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax.model.config import resolve_moe_backend
   from flexfloor_jax.sampling import SamplingParams
   r = config.rollout
+  moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend,
+                                                prep.devices[0].platform)
   return engine_lib.EngineSpec(
       cfg=prep.model_cfg, slots_per_worker=r.slots_per_worker, expert_slots=prep.expert_slots,
-      max_seq_len=prep.seq_len, exchange=config.model.get("exchange", "auto"),
-      max_prompt_len=r.max_prompt_len,
-      max_new_tokens=r.max_new_tokens,
+      max_seq_len=prep.seq_len, max_prompt_len=r.max_prompt_len,
+      max_new_tokens=r.max_new_tokens, exchange=config.model.get("exchange", "auto"),
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
-      moe_backend=config.model.moe_backend,
-      interpret=config.model.moe_backend == "pallas" and jax.default_backend() == "cpu",
+      moe_backend=moe_impl, interpret=moe_interpret,
       record_routes=bool(r.get("record_routes", False)))
 
 

@@ -1,8 +1,10 @@
 """MoE dispatch kernels over the padded tile layout: plan -> permute -> grouped_matmul -> combine.
 
-Each kernel has a pure-XLA reference (`impl='xla'`, the CPU default and the training path) and a
-Pallas implementation of the same signature (`impl='pallas'`: Mosaic TPU, Mosaic GPU for the grouped
-matmul, interpret mode on CPU via `interpret=True`).
+Each kernel has a pure-XLA reference (`impl='xla'`, the CPU default) and a Pallas implementation of
+the same signature (`impl='pallas'`: Mosaic TPU; on CUDA GPUs Mosaic GPU for the grouped matmul and
+Pallas Triton for permute and combine; interpret mode on CPU via `interpret=True`). Both impls are
+differentiable. `flexfloor_jax.model.config.resolve_moe_backend` maps `model.moe_backend` ('auto' |
+'xla' | 'pallas') and the platform to `impl` / `interpret`.
 """
 
 from kernels.combine import combine

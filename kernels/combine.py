@@ -2,9 +2,16 @@
 
 The sum is fp32 and strictly sequential in k (acc = acc + term_k), never a tree reduction, so a
 token's output does not depend on where its expert copies were computed or how XLA would choose to
-reduce (DESIGN.md "fixed reduction orders"). impl='xla' unrolls K (small, static) gathers;
-impl='pallas' is a Mosaic TPU kernel (row_dst through scalar prefetch, one DMA per expert copy). On
-GPU impl='pallas' uses the XLA version (a fused gather + elementwise kernel there).
+reduce (DESIGN.md "fixed reduction orders"). Each product w * y is rounded to fp32 before it is
+added, never fused into an FMA (combine_xla keeps the multiplies out of its accumulation loop's
+body; the GPU kernel multiplies with PTX mul.rn), and a skipped slot adds nothing even when its
+weight is inf/nan. impl='xla' unrolls K (small, static) gathers; impl='pallas' picks, at lowering
+time, a Mosaic TPU kernel (row_dst through scalar prefetch, one DMA per expert copy), a Pallas
+Triton kernel on cuda (`_combine_gpu`: a program per [tokens, cols] output block, K masked vector
+loads summed in k order), the XLA version on ROCm, or on any other platform the TPU kernel in
+interpret mode. `interpret=True` runs the TPU kernel in interpret mode everywhere;
+`_combine_gpu(..., interpret=True)` is the GPU kernel's CPU test path. Both impls share one
+backward pass (combine_xla's).
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from kernels import triton_util
+
 
 def combine(
     y_PD: jax.Array,
@@ -26,7 +35,11 @@ def combine(
     impl: str = "xla",
     interpret: bool = False,
 ) -> jax.Array:
-  """Returns out_TD (y's dtype): fixed-order fp32 weighted sum of each token's K expert rows."""
+  """Returns out_TD (y's dtype): fixed-order fp32 weighted sum of each token's K expert rows.
+
+  Differentiable w.r.t. y and the weights for both impls; impl='pallas' trains with combine_xla's
+  backward pass.
+  """
   if y_PD.ndim != 2 or row_dst_TK.ndim != 2 or row_dst_TK.shape != weights_TK.shape:
     raise ValueError(f"bad shapes: y {y_PD.shape}, row_dst {row_dst_TK.shape}, w {weights_TK.shape}")
   row_dst_TK = row_dst_TK.astype(jnp.int32)
@@ -34,6 +47,11 @@ def combine(
     return combine_xla(y_PD, row_dst_TK, weights_TK)
   if impl != "pallas":
     raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
+  return _combine_pallas(y_PD, row_dst_TK, weights_TK, bool(interpret))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine_pallas(y_PD, row_dst_TK, weights_TK, interpret):
   interp = functools.partial(_combine_tpu, interpret=True)
   if interpret:
     return interp(y_PD, row_dst_TK, weights_TK)
@@ -42,9 +60,27 @@ def combine(
       row_dst_TK,
       weights_TK,
       tpu=functools.partial(_combine_tpu, interpret=False),
-      cuda=combine_xla,
+      cuda=functools.partial(_combine_gpu, interpret=False),
+      # no compiled Pallas kernel for ROCm here: the XLA version rather than the interpreter
+      rocm=combine_xla,
       default=interp,
   )
+
+
+def _combine_pallas_fwd(y_PD, row_dst_TK, weights_TK, interpret):
+  out = _combine_pallas(y_PD, row_dst_TK, weights_TK, interpret)
+  return out, (y_PD, row_dst_TK, weights_TK)
+
+
+def _combine_pallas_bwd(interpret, res, d_out):
+  del interpret
+  y_PD, row_dst_TK, weights_TK = res
+  _, vjp = jax.vjp(lambda y, w: combine_xla(y, row_dst_TK, w), y_PD, weights_TK)
+  d_y, d_w = vjp(d_out)
+  return d_y, None, d_w
+
+
+_combine_pallas.defvjp(_combine_pallas_fwd, _combine_pallas_bwd)
 
 
 def _term(w_T, rows_TD, valid_T):
@@ -146,3 +182,53 @@ def _combine_tpu(y_PD, row_dst_TK, weights_TK, *, interpret):
       compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
       interpret=interpret,
   )(row_dst_TK.reshape(-1), row_dst_TK, weights_TK, y_PD)
+
+
+def _combine_gpu(y_PD, row_dst_TK, weights_TK, *, interpret):
+  """Pallas Triton kernel: grid (token blocks, column blocks). A program holds a [tokens, cols]
+  fp32 accumulator and, for k = 0..K-1 in order, loads column k of its row_dst / weights block,
+  gathers the K-th expert rows with one masked load (skipped slots are not read) and adds
+  where(valid, w * y, 0): the same operations, in the same order, as `combine_xla`."""
+  num_src, d_dim = y_PD.shape
+  num_tokens, top_k = row_dst_TK.shape
+  if num_tokens == 0 or d_dim == 0:
+    return jnp.zeros((num_tokens, d_dim), y_PD.dtype)
+  rows, cols = triton_util.blocks(num_tokens, d_dim)
+
+  def kernel(dst_ref, w_ref, y_ref, out_ref):
+    terms = []
+    for k in range(top_k):
+      idx = dst_ref[:, k]
+      valid = idx >= 0
+      y = triton_util.gather_rows(y_ref, jnp.clip(idx, 0, num_src - 1), valid, cols)
+      w = jnp.broadcast_to(w_ref[:, k].astype(jnp.float32)[:, None], (rows, cols))
+      prod = triton_util.mul_rn_f32(w, y.astype(jnp.float32), interpret=interpret)
+      terms.append(jnp.where(jnp.broadcast_to(valid[:, None], (rows, cols)), prod, 0.0))
+    acc = jnp.zeros((rows, cols), jnp.float32)
+    if interpret:
+      # XLA:CPU contracts a multiply and an add of one fusion into an FMA, also across the
+      # select; a loop over the stacked products gives every add its own loop body, as
+      # combine_xla does. (Compiled, mul.rn already keeps each product rounded on its own.)
+      terms_K = jnp.stack(terms)
+      acc = lax.fori_loop(0, top_k, lambda k, acc: acc + terms_K[k], acc)
+    else:
+      for term in terms:
+        acc = acc + term
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+  tk_block = pl.BlockSpec((rows, top_k), lambda i, j: (i, 0))
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_tokens, d_dim), y_PD.dtype),
+      grid=(num_tokens // rows, d_dim // cols),
+      in_specs=[
+          tk_block,
+          tk_block,
+          # every expert row, one column block: the rows are picked inside the kernel
+          pl.BlockSpec((num_src, cols), lambda i, j: (0, j)),
+      ],
+      out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
+      compiler_params=triton_util.compiler_params(),
+      interpret=interpret,
+      name="combine_gpu",
+  )(row_dst_TK, weights_TK, y_PD)

@@ -13,10 +13,11 @@ same-group tiles with one weight slice per run; dynamic trip counts, a `jax.cust
 (megablox-style, tile metadata through scalar prefetch; weight blocks outermost where a [K, tn] block
 fits VMEM), a Mosaic GPU kernel (Hopper wgmma; tile metadata read from GMEM inside the kernel
 because Mosaic GPU has no scalar prefetch; tiles under 64 rows as the swapped product W^T x^T, one
-CTA per tile and N block, so a repeated expert's weights come from L2 rather than once per call),
-or on any other platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
-forward shares the custom_vjp: d_lhs runs the same Pallas kernel on transposed weights, d_rhs the XLA
-"tgmm" loop.
+CTA per tile and N block, so a repeated expert's weights come from L2 rather than once per call;
+`_mgpu_supported` says which shapes and dtypes, the others take the XLA loop on GPU), the XLA loop
+on ROCm, or on any other platform the TPU kernel in interpret mode (`interpret=True` forces that
+everywhere). The Pallas forward shares the custom_vjp: d_lhs runs the same Pallas kernel on
+transposed weights, d_rhs the XLA "tgmm" loop.
 """
 
 from __future__ import annotations
@@ -246,16 +247,16 @@ def _gmm_pallas(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs, in
   args = (lhs, rhs, tile_group, used)
   if interpret:
     return interp(*args)
+  xla = functools.partial(_gmm_xla, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
   if _mgpu_supported(lhs, rhs, tile_m, out_dtype, transpose_rhs):
     cuda = functools.partial(
         _gmm_mgpu_swapped if tile_m < 64 else _gmm_mgpu,
         tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs,
     )
   else:  # shapes/dtypes the wgmma kernel does not take (e.g. fp32): XLA on GPU.
-    cuda = functools.partial(
-        _gmm_xla, tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs
-    )
-  return lax.platform_dependent(*args, tpu=tpu, cuda=cuda, default=interp)
+    cuda = xla
+  # ROCm: no compiled Pallas kernel here, so the XLA loop rather than the interpreter.
+  return lax.platform_dependent(*args, tpu=tpu, cuda=cuda, rocm=xla, default=interp)
 
 
 # VMEM the weights-outer schedule may use for its double-buffered blocks: inside every TPU

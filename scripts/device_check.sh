@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU machine (one GPU; about 8 minutes; README "Device check"):
 #   1. environment: nvidia-smi, jax / jaxlib / flax versions, jax.devices()
-#   2. tests/test_kernels_gpu.py: the compiled Mosaic GPU grouped matmul against XLA and float64
+#   2. tests/test_kernels_gpu.py: the compiled Mosaic GPU grouped matmul against XLA and float64,
+#      the Pallas Triton permute and combine against XLA
 #   3. scripts/step_table.py: decode-step times of Mixtral-8x7B-shaped layers by experts held per
 #      device, batch and KV length -> step_table.json (python -m flexfloor_jax.sim
 #      --hardware=measured:step_table.json), plus copy / matmul ceilings and kernel variants
@@ -70,7 +71,7 @@ $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout=120"
 PYTEST=($PY -m pytest -q -rfEs -p no:cacheprovider $TIMEOUT_FLAG)
 
 # 2. compiled Mosaic GPU kernels (skip on CPU)
-step gpu_kernel_tests 90 "$OUT/pytest.txt" "${PYTEST[@]}" tests/test_kernels_gpu.py
+step gpu_kernel_tests 120 "$OUT/pytest.txt" "${PYTEST[@]}" -v tests/test_kernels_gpu.py
 
 # 3. step table: what the steps after it need is kept back (parity tests 120 s, benches 90 s)
 if [ $DRY = 1 ]; then

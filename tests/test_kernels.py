@@ -19,8 +19,11 @@ from kernels.grouped_matmul import grouped_matmul
 from kernels.permute import permute
 
 S = jax.ShapeDtypeStruct
-# the module (the package's `grouped_matmul` attribute is the function)
+# the modules (the package's `grouped_matmul` etc. attributes are the functions)
 gmm_lib = importlib.import_module("kernels.grouped_matmul")
+permute_lib = importlib.import_module("kernels.permute")
+combine_lib = importlib.import_module("kernels.combine")
+triton_util = importlib.import_module("kernels.triton_util")
 
 
 def _key(seed):
@@ -464,13 +467,138 @@ def test_combine_bf16_topk4():
   np.testing.assert_array_equal(out_p.astype(jnp.float32), out.astype(jnp.float32))
 
 
+def test_permute_and_combine_pallas_gradients_equal_xla():
+  """impl='pallas' trains: its backward pass is the XLA one, so the gradients are the same bits."""
+  x = jax.random.normal(_key(810), (24, 128))
+  src = jax.random.randint(_key(811), (40,), -1, 24)
+  ct = jax.random.normal(_key(812), (40, 128))
+  dst = jax.random.randint(_key(813), (12, 3), -1, 40)
+  w = jax.random.uniform(_key(814), (12, 3))
+  ct2 = jax.random.normal(_key(815), (12, 128))
+
+  def loss(x, w, impl):
+    y = permute(x, src, impl=impl, interpret=True)
+    return jnp.sum(y * ct) + jnp.sum(combine(y, dst, w, impl=impl, interpret=True) * ct2)
+
+  grads = {impl: jax.jit(jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1)))(x, w)
+           for impl in ("xla", "pallas")}
+  for gx, gp in zip(grads["xla"], grads["pallas"]):
+    assert float(jnp.max(jnp.abs(gx))) > 0
+    np.testing.assert_array_equal(gp, gx)
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU (Pallas Triton) permute and combine, in interpret mode on this CPU machine. The compiled
+# kernels differ from these runs only in the multiply (PTX mul.rn there, `*` here) and in how the
+# K products are summed (straight adds there, a loop here; the same order): see
+# tests/test_kernels_gpu.py for the compiled ones.
+
+_permute_gpu = jax.jit(functools.partial(permute_lib._permute_gpu, interpret=True))
+_combine_gpu = jax.jit(functools.partial(combine_lib._combine_gpu, interpret=True))
+_permute_xla = jax.jit(permute_lib.permute_xla)
+_combine_xla = jax.jit(combine_lib.combine_xla)
+
+
+def _assert_same_bits(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+  diff = np.abs(a.astype(np.float32) - b.astype(np.float32))
+  assert np.isnan(diff).sum() == 0 and diff.max(initial=0) == 0, diff.max(initial=0)
+  np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_gpu_blocks_cover_large_rows_in_several_programs():
+  """D = 4096 is split into column blocks, rows per program stay a small power of two, and awkward
+  sizes fall back to smaller blocks that still divide the array."""
+  assert triton_util.blocks(64, 4096) == (8, 512)
+  assert triton_util.blocks(16, 128) == (16, 128)
+  assert triton_util.blocks(24, 96) == (8, 32)
+  assert triton_util.blocks(5, 3) == (1, 1)
+  for rows, d in [(64, 4096), (1000, 14336), (7, 96), (512, 256)]:
+    r, c = triton_util.blocks(rows, d)
+    assert rows % r == 0 and d % c == 0 and r * c <= triton_util.MAX_BLOCK_ELEMS
+    assert r & (r - 1) == 0 and c & (c - 1) == 0
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_permute_gpu_kernel_equals_xla(name, group_ids):
+  """Dispatch (row_src) and unpermute (row_dst) of the padded layout: the same bits as the XLA
+  gather, padding rows exactly 0."""
+  plan = _plan(group_ids, NUM_GROUPS, 8)
+  seed = CASE_IDS.index(name)
+  x = jax.random.normal(_key(900 + seed), (len(group_ids), 256), jnp.float32)
+  xp = _permute_gpu(x, plan.row_src)
+  _assert_same_bits(xp, _permute_xla(x, plan.row_src))
+  ref = np.where((np.asarray(plan.row_src) >= 0)[:, None], np.asarray(x)[np.maximum(plan.row_src, 0)], 0)
+  np.testing.assert_array_equal(xp, ref)
+  _assert_same_bits(_permute_gpu(xp, plan.row_dst), _permute_xla(xp, plan.row_dst))
+
+
+@pytest.mark.parametrize("num_src,d_dim,num_rows,dtype", [
+    (50, 4096, 64, jnp.bfloat16),  # Mixtral's D: 8 column blocks of 512
+    (37, 96, 24, jnp.float32),
+    (20, 256, 48, jnp.bfloat16),
+    (7, 3, 5, jnp.float32),  # odd sizes: 1 x 1 blocks
+], ids=["d4096_bf16", "d96_f32", "d256_bf16", "odd_f32"])
+def test_permute_gpu_kernel_shapes(num_src, d_dim, num_rows, dtype):
+  """Indices below 0 (zero rows) and past the end (clamped, as jnp.take(mode='clip') does)."""
+  x = jax.random.normal(_key(num_src + d_dim), (num_src, d_dim), dtype)
+  src = jax.random.randint(_key(num_rows), (num_rows,), -3, num_src + 3)
+  src = src.at[:3].set(jnp.array([-1, num_src + 1, num_src - 1]))  # each kind at least once
+  _assert_same_bits(_permute_gpu(x, src), _permute_xla(x, src))
+
+
+@pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
+def test_combine_gpu_kernel_equals_xla(name, group_ids):
+  """Top-2 combine over the padded layout, skipped slots carrying nan / inf weights: the same bits
+  as combine_xla and the numpy loop (products rounded to fp32, then added in k order)."""
+  top_k = 2
+  seed = 950 + CASE_IDS.index(name)
+  plan = _plan(group_ids, NUM_GROUPS, 8)
+  y = jax.random.normal(_key(seed), (plan.row_src.shape[0], 256))
+  row_dst_TK = plan.row_dst.reshape(-1, top_k)
+  w = jax.random.uniform(_key(seed + 1), row_dst_TK.shape)
+  skip = np.asarray(row_dst_TK) < 0
+  bad = np.where(np.arange(skip.size).reshape(skip.shape) % 2, np.inf, np.nan)
+  w = jnp.where(skip, bad, w)
+  out = _combine_gpu(y, row_dst_TK, w)
+  assert np.isfinite(np.asarray(out)).all()
+  _assert_same_bits(out, _combine_xla(y, row_dst_TK, w))
+  np.testing.assert_array_equal(
+      out, _combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w)))
+
+
+@pytest.mark.parametrize("num_src,d_dim,num_tokens,top_k,y_dtype,w_dtype", [
+    (96, 256, 32, 4, jnp.bfloat16, jnp.float32),
+    (64, 4096, 16, 2, jnp.bfloat16, jnp.bfloat16),  # Mixtral's D and top-k
+    (40, 128, 24, 6, jnp.float32, jnp.float32),  # K not a power of two
+    (13, 3, 5, 3, jnp.float32, jnp.float32),  # odd sizes: 1 x 1 blocks
+], ids=["bf16_k4", "d4096_k2", "f32_k6", "odd"])
+def test_combine_gpu_kernel_shapes(num_src, d_dim, num_tokens, top_k, y_dtype, w_dtype):
+  y = jax.random.normal(_key(num_src + d_dim), (num_src, d_dim), y_dtype)
+  dst = jax.random.randint(_key(top_k), (num_tokens, top_k), -1, num_src)
+  dst = dst.at[0, 0].set(-1).at[0, 1].set(num_src - 1)  # a skipped and a valid slot at least
+  w = jax.random.uniform(_key(num_tokens), (num_tokens, top_k)).astype(w_dtype)
+  out = _combine_gpu(y, dst, w)
+  assert out.dtype == y_dtype
+  _assert_same_bits(out, _combine_xla(y, dst, w))
+
+
 # --------------------------------------------------------------------------------------------------
 # Cross-platform lowering (compiled, non-interpret kernels) from this CPU machine
 
 
 def _custom_calls(exported):
   text = exported.mlir_module()
-  return set(re.findall(r'custom_call @?"?(\w+)', text)) | set(re.findall(r'call_target_name = "(\w+)"', text))
+  return (set(re.findall(r'custom_call @?"?([\w$.]+)', text))
+          | set(re.findall(r'call_target_name = "([^"]+)"', text)))
+
+
+# The Pallas Triton lowering's custom call: jaxlib <= 0.10.2 hands the Triton IR to XLA
+# (`__gpu$xla.gpu.triton`); a jaxlib that compiles it at lowering time emits the compiled kernel
+# as `triton_kernel_call_ffi` (`triton_kernel_call` in older ones). Triton IR has no stability
+# guarantee, so export needs these targets allowed explicitly.
+TRITON_CALLS = ("__gpu$xla.gpu.triton", "triton_kernel_call_ffi", "triton_kernel_call")
 
 
 def _gmm_export_fns(dtype, tile_m=128, transpose_rhs=False):
@@ -506,14 +634,72 @@ def test_pallas_kernels_lower_for_tpu(dtype):
 
 @pytest.mark.parametrize("tile_m", [128, 8], ids=["prefill_tile", "decode_tile"])
 def test_grouped_matmul_mosaic_gpu_lowers_for_cuda(tile_m):
-  """128: the row-major wgmma kernel; 8 (the engine's decode tile): the swapped-product kernel."""
+  """128: the row-major wgmma kernel; 8 (the engine's decode tile): the swapped-product kernel.
+  A lowering error fails the test: the kernel must keep lowering for cuda."""
   for transpose_rhs in (False, True):
     fwd, grad, args = _gmm_export_fns(jnp.bfloat16, tile_m=tile_m, transpose_rhs=transpose_rhs)
     for fn in (fwd, grad):
-      try:
-        exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
-      except Exception as e:  # pragma: no cover - depends on the jaxlib build
-        msg = f"Mosaic GPU lowering for cuda unavailable here: {type(e).__name__}: {e}"
-        print(msg)
-        pytest.skip(msg)
+      exp = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args)
       assert "mosaic_gpu_v2" in _custom_calls(exp)
+
+
+def _export_triton_for_cuda(fn, *args):
+  """Exports fn for cuda. A jaxlib that compiles Triton kernels at lowering time needs the CUDA
+  plugin's Triton compiler: without it (a CPU-only install of such a jaxlib) nothing can be
+  checked here, and only that one error skips; every other error fails."""
+  checks = [jax.export.DisabledSafetyCheck.custom_call(n) for n in TRITON_CALLS]
+  try:
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+  except RuntimeError as e:
+    if "does not have a Triton compilation handler" in str(e):
+      pytest.skip(f"this jaxlib compiles Triton kernels at lowering time and has no CUDA "
+                  f"Triton compiler installed: {e}")
+    raise
+
+
+@pytest.fixture
+def verified_triton_modules(monkeypatch):
+  """MLIR-verifies each Triton module the Pallas lowering builds (op types, power-of-two tensor
+  sizes, pointer / mask shapes agreeing), which jaxlib <= 0.10.2 otherwise leaves to XLA's
+  compile on the GPU. Returns the list of verified modules' texts, or None where this jax has no
+  such private hook (then only the custom call is checked)."""
+  from jax._src.pallas.triton import lowering as triton_lowering
+
+  seen = []
+  build = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
+  if build is None:
+    return None
+
+  def build_and_verify(*args, **kwargs):
+    result = build(*args, **kwargs)
+    with result.module.context:
+      assert result.module.operation.verify()
+    seen.append(str(result.module))
+    return result
+
+  monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", build_and_verify)
+  return seen
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_permute_combine_pallas_lower_for_cuda(dtype, verified_triton_modules):
+  """impl='pallas' on cuda is the Pallas Triton kernels (not the XLA gather), at Mixtral's D and
+  at sizes that need 1-wide blocks; combine multiplies with mul.rn. Lowering errors fail."""
+  fp = lambda x, s: permute(x, s, impl="pallas")
+  fc = lambda y, d, w: combine(y, d, w, impl="pallas")
+  cases = [
+      (fp, (S((100, 4096), dtype), S((512,), jnp.int32))),
+      (fp, (S((7, 3), dtype), S((5,), jnp.int32))),
+      (fc, (S((512, 4096), dtype), S((256, 2), jnp.int32), S((256, 2), jnp.float32))),
+      (fc, (S((13, 3), dtype), S((5, 6), jnp.int32), S((5, 6), dtype))),
+  ]
+  for fn, args in cases:
+    exp = _export_triton_for_cuda(fn, *args)
+    calls = _custom_calls(exp)
+    assert calls & set(TRITON_CALLS), calls
+    assert "stablehlo.gather" not in exp.mlir_module()  # not the XLA fallback
+  texts = verified_triton_modules
+  if texts is not None:
+    assert len(texts) == len(cases), len(texts)
+    assert sum("mul.rn.f32" in t for t in texts) == 2  # the two combines
+    assert all("tt.load" in t for t in texts)

@@ -1,8 +1,10 @@
-"""The compiled Mosaic GPU grouped matmul (kernels/grouped_matmul.py `_gmm_mgpu`, Hopper wgmma) on a
-real GPU: equal to the XLA path and to a float64 reference, zeros in unused tiles, gradients,
-bitwise batch invariance, and the EP MoE layer with backend='pallas'. Skipped without a GPU (CI);
-`scripts/device_check.sh` runs it on a lent one. tests/test_kernels.py checks the same kernels in
-interpret mode and their lowering for cuda from a CPU machine."""
+"""The compiled GPU kernels on a real GPU. The Mosaic GPU grouped matmul (kernels/grouped_matmul.py
+`_gmm_mgpu`, Hopper wgmma): equal to the XLA path and to a float64 reference, zeros in unused tiles,
+gradients, bitwise batch invariance, and the EP MoE layer with backend='pallas'. The Pallas Triton
+permute and combine (`_permute_gpu`, `_combine_gpu`): bitwise equal to the XLA gather and to the
+combine's definition, and their gradients. Skipped without a GPU (CI); `scripts/device_check.sh`
+runs it on a lent one. tests/test_kernels.py checks the same kernels in interpret mode and their
+lowering for cuda from a CPU machine."""
 
 from __future__ import annotations
 
@@ -11,14 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.combine import combine, combine_xla
 from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import grouped_matmul
+from kernels.permute import permute, permute_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs a GPU (compiled Mosaic GPU kernel)")
 
 _gmm = jax.jit(grouped_matmul, static_argnames=("tile_m", "impl", "interpret",
                                                 "preferred_element_type", "transpose_rhs"))
+_permute = jax.jit(permute, static_argnames=("impl", "interpret"))
+_combine = jax.jit(combine, static_argnames=("impl", "interpret"))
 
 
 def _inputs(seed, rows, groups, tile_m, k, n, transpose_rhs=False, p_skip=0.15):
@@ -165,6 +171,77 @@ def test_ep_moe_pallas_backend_equals_xla_on_one_gpu():
   yp, yx = run("pallas"), run("xla")
   assert np.isfinite(yp).all() and np.abs(yx).max() > 0
   assert _rel(yp, yx) <= 2e-2, _rel(yp, yx)
+
+
+def _combine_definition(y, row_dst, w):
+  """The combine's numerics in numpy: each fp32 product rounded, then added in k order."""
+  acc = np.zeros((row_dst.shape[0], y.shape[1]), np.float32)
+  for k in range(row_dst.shape[1]):
+    valid = (row_dst[:, k] >= 0)[:, None]
+    term = w[:, k, None].astype(np.float32) * y[np.maximum(row_dst[:, k], 0)].astype(np.float32)
+    acc = acc + np.where(valid, term, np.float32(0))
+  return acc
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("d", [4096, 256, 96])  # Mixtral's D; a small one; not a power of two
+def test_triton_permute_and_combine_equal_xla(d, dtype):
+  """Dispatch -> (expert rows) -> unpermute -> top-2 combine through a padded plan, compiled."""
+  rng = np.random.default_rng(d)
+  tokens, top_k, groups, tile_m = 200, 2, 8, 8
+  ids = rng.choice(groups, tokens * top_k)
+  ids[rng.random(ids.size) < 0.1] = -1  # some copies not dispatched
+  plan = make_plan(jnp.asarray(ids, jnp.int32), groups, tile_m,
+                   padded_rows(ids.size, groups, tile_m))
+  x = jnp.asarray(rng.standard_normal((tokens * top_k, d)), dtype)
+  src = jnp.concatenate([plan.row_src, jnp.asarray([-5, x.shape[0] + 3], jnp.int32)])  # clamped
+  text = _permute.lower(x, src, impl="pallas").as_text()
+  assert "triton" in text, "impl='pallas' fell back to XLA: not the Triton kernel"
+  xp = _permute(x, src, impl="pallas")
+  np.testing.assert_array_equal(np.asarray(xp).view(np.uint8),
+                                np.asarray(_permute(x, src, impl="xla")).view(np.uint8))
+  back = _permute(xp[:plan.row_src.shape[0]], plan.row_dst, impl="pallas")
+  np.testing.assert_array_equal(np.asarray(back).view(np.uint8),
+                                np.asarray(permute_xla(xp[:plan.row_src.shape[0]],
+                                                       plan.row_dst)).view(np.uint8))
+
+  y = jnp.asarray(rng.standard_normal((plan.row_src.shape[0], d)), dtype)
+  row_dst = plan.row_dst.reshape(tokens, top_k)
+  w = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+  w = jnp.where(row_dst < 0, jnp.nan, w)  # skipped slots add nothing, even with a nan weight
+  assert "triton" in _combine.lower(y, row_dst, w, impl="pallas").as_text()
+  out = np.asarray(_combine(y, row_dst, w, impl="pallas"))
+  ref = _combine_definition(np.asarray(y.astype(jnp.float32)), np.asarray(row_dst), np.asarray(w))
+  ref = np.asarray(jnp.asarray(ref).astype(dtype))
+  assert np.isfinite(out.astype(np.float32)).all()
+  # The kernel's products are rounded on their own (mul.rn): the definition's bits exactly.
+  np.testing.assert_array_equal(out.view(np.uint8), ref.view(np.uint8))
+  # combine_xla on the GPU: XLA may fuse its multiply and add into an FMA (one rounding less per
+  # term), so within 2 ulp of the output dtype rather than bitwise; printed for the record.
+  out_x = np.asarray(_combine(y, row_dst, w, impl="xla"))
+  print(f"d={d} {jnp.dtype(dtype).name}: combine kernel == combine_xla bitwise: "
+        f"{np.array_equal(out.view(np.uint8), out_x.view(np.uint8))}")
+  np.testing.assert_array_max_ulp(out.astype(np.float32), out_x.astype(np.float32),
+                                  maxulp=2 if dtype == jnp.float32 else 2 * 2**16)
+
+
+def test_triton_permute_and_combine_gradients():
+  """impl='pallas' trains with the XLA backward passes: the gradients' bits equal impl='xla'."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((64, 512)), jnp.float32)
+  src = jnp.asarray(rng.integers(-1, 64, 96), jnp.int32)
+  dst = jnp.asarray(rng.integers(-1, 96, (32, 2)), jnp.int32)
+  w = jnp.asarray(rng.random((32, 2)), jnp.float32)
+  ct = jnp.asarray(rng.standard_normal((32, 512)), jnp.float32)
+
+  def loss(x, w, impl):
+    return jnp.sum(combine(permute(x, src, impl=impl), dst, w, impl=impl) * ct)
+
+  grads = {impl: jax.jit(jax.grad(lambda x, w: loss(x, w, impl), argnums=(0, 1)))(x, w)
+           for impl in ("pallas", "xla")}
+  for gp, gx in zip(grads["pallas"], grads["xla"]):
+    assert np.abs(np.asarray(gx)).max() > 0
+    np.testing.assert_array_equal(np.asarray(gp), np.asarray(gx))
 
 
 @pytest.mark.xfail(strict=False, reason=(

@@ -60,6 +60,41 @@ def model_identity(cfg: ModelConfig) -> str:
   return "cfg-" + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# ----------------------------------------------------------------------------- MoE kernels
+# `model.moe_backend` = 'auto' | 'xla' | 'pallas': resolved here, in one place, into the kernels'
+# `impl=` / `interpret=` arguments (runner, rl/train, EngineSpec.ep, ActorSpec.ep). This module
+# imports no jax, so the CLIs check the name before jax starts.
+
+MOE_BACKENDS = ("auto", "xla", "pallas")
+
+# Platforms with compiled Pallas kernels, as jax names them: a CUDA device reports 'gpu'
+# (`Device.platform`, `jax.default_backend()`), a lowering names it 'cuda'.
+COMPILED_PALLAS_PLATFORMS = ("tpu", "gpu", "cuda")
+
+
+def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
+  """(impl, interpret) for `name` on `platform` ('cpu', 'gpu', 'tpu', ...).
+
+  'auto': 'pallas' where compiled Pallas kernels exist, else 'xla' (on CPU the XLA path is the fast
+  one: a Pallas kernel there only runs interpreted). On TPU every kernel is Mosaic TPU. On CUDA
+  GPUs permute and combine are Pallas Triton kernels for every shape and dtype; the grouped matmul
+  takes its Mosaic GPU kernel only for bf16/fp16 operands of one dtype with K % 64 == 0 and either
+  tiles of 8..56 rows (multiples of 8: the swapped kernel) with N % 64 == 0 or tiles of 64 rows or
+  a multiple of 128 with N % 128 == 0, and the XLA loop otherwise (e.g. fp32, the tiny preset; see
+  `kernels.grouped_matmul._mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
+  actor's (8) take the swapped kernel, clear of the row-major kernel's race at tile_m 128 with
+  K/64 = 5 or 6 (README "Device check").
+  'pallas': the Pallas kernels; on CPU in interpret mode (the parity-test path).
+  'xla': the XLA references everywhere.
+  """
+  if name not in MOE_BACKENDS:
+    raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {name!r}")
+  compiled = platform in COMPILED_PALLAS_PLATFORMS
+  if name == "auto":
+    name = "pallas" if compiled else "xla"
+  return name, name == "pallas" and platform == "cpu"
+
+
 # Byte-level tokenizer vocabulary: 256 bytes + pad/bos/eos (see tokenizer.py).
 BYTE_VOCAB = 259
 

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import ModelConfig
+from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, ep_moe
 from flexfloor_jax.rl import loss as loss_lib
 
@@ -43,8 +43,8 @@ class ActorSpec:
   clip_eps: float = 0.2
   kl_beta: float = 0.0
   aux_coef: float = 0.0
-  moe_backend: str = "xla"
-  interpret: bool = False
+  moe_backend: str = "auto"  # 'auto' | 'xla' | 'pallas' (model.config.resolve_moe_backend)
+  interpret: bool = False  # force Pallas interpret mode (the resolution picks it on CPU anyway)
   logprob_rows: int = 4  # rows per device of each log-prob call (fixed: part of the numerics)
 
   def ep(self) -> EPConfig:
@@ -52,9 +52,10 @@ class ActorSpec:
     if e % self.num_workers:
       raise ValueError(f"the training mesh needs num_experts ({e}) divisible by the number of "
                        f"devices ({self.num_workers})")
+    impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())
     return EPConfig(num_workers=self.num_workers, slots_per_worker=e // self.num_workers,
                     top_k=self.cfg.top_k, tile_m=self.tile_m, chunk_tokens=self.chunk_tokens,
-                    backend=self.moe_backend, interpret=self.interpret)
+                    backend=impl, interpret=interpret or self.interpret)
 
 
 def param_specs(params):

@@ -204,7 +204,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   from flexfloor_jax import engine as engine_lib
   from flexfloor_jax.model import checkpoint as ckpt
   from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.model.config import PRESETS, model_identity
+  from flexfloor_jax.model.config import PRESETS, model_identity, resolve_moe_backend
   from flexfloor_jax.rl import actor as actor_lib
   from flexfloor_jax.tokenizer import load_tokenizer
 
@@ -237,12 +237,11 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   mesh = mesh_lib.make_ep_mesh(devices)
   n = len(devices)
   rl = config.rl
+  moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend, devices[0].platform)
   spec = actor_lib.ActorSpec(cfg=model_cfg, num_workers=n,
                              temperature=config.sampling.temperature, tile_m=rl.tile_m,
                              clip_eps=rl.clip_eps, kl_beta=rl.kl_beta, aux_coef=rl.aux_coef,
-                             moe_backend=config.model.moe_backend,
-                             interpret=config.model.moe_backend == "pallas"
-                             and jax.default_backend() == "cpu")
+                             moe_backend=moe_impl, interpret=moe_interpret)
   optimizer = optax.chain(optax.clip_by_global_norm(rl.grad_clip),
                           optax.adamw(rl.lr, b1=rl.b1, b2=rl.b2, weight_decay=rl.weight_decay))
   act = actor_lib.Actor(spec, mesh, optimizer)
