@@ -11,8 +11,9 @@ is the median of the per-pair ratios.
 The decode table (8 experts, 8-64 rows each, the engine's decode tile) compares against a per-expert
 einsum over exactly those rows ('gck,gkn->gcn', what a capacity layout without tiles would run) and
 shows, beside the grouped matmul (which picks group-batched rounds at these shapes), its run loop
-(one weight slice per expert) and a per-tile loop (one weight slice per tile), all timed interleaved; its ratios are those of the fastest runs
-(at sub-millisecond calls a loaded machine's scheduling noise swamps a median).
+(one weight slice per expert) and a per-tile loop (one weight slice per tile), all timed
+interleaved; its ratios are those of the fastest runs (at sub-millisecond calls a loaded machine's
+scheduling noise swamps a median).
 """
 
 from __future__ import annotations
@@ -24,12 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import importlib
-
 from kernels.dispatch_plan import make_plan, padded_rows
+from kernels.gmm_xla import gmm_run_loop
 from kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
-
-_gmm_lib = importlib.import_module("kernels.grouped_matmul")
 
 NUM_ROWS, K_DIM, N_DIM, NUM_GROUPS = 4096, 256, 512, 8
 # flexfloor_jax.engine.EngineSpec.decode_tile_m (kernels imports nothing of the engine)
@@ -89,7 +87,7 @@ def run_decode(runs: int = 30, dtype=jnp.float32, impl: str = "xla", k_dim: int 
                                            preferred_element_type=jnp.float32).astype(x.dtype))
   gmm = jax.jit(lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=tile_m, impl=impl))
   per_tile = jax.jit(lambda l, r, tg, u: _per_tile_gmm(l, r, tg, u, tile_m))
-  run_loop = jax.jit(lambda l, r, tg, u: _gmm_lib._gmm_xla(l, r, tg, u, tile_m, l.dtype, False))
+  run_loop = jax.jit(lambda l, r, tg, u: gmm_run_loop(l, r, tg, u, tile_m, l.dtype, False))
   results = []
   for per_expert in DECODE_ROWS_PER_EXPERT:
     rows = per_expert * NUM_GROUPS

@@ -21,6 +21,8 @@ from kernels.permute import permute
 S = jax.ShapeDtypeStruct
 # the modules (the package's `grouped_matmul` etc. attributes are the functions)
 gmm_lib = importlib.import_module("kernels.grouped_matmul")
+gmm_tpu = importlib.import_module("kernels.gmm_tpu")
+gmm_xla = importlib.import_module("kernels.gmm_xla")
 permute_lib = importlib.import_module("kernels.permute")
 combine_lib = importlib.import_module("kernels.combine")
 triton_util = importlib.import_module("kernels.triton_util")
@@ -207,7 +209,7 @@ def test_grouped_matmul_pallas_equals_xla(name, group_ids, schedule, monkeypatch
   # K=384 and N=640: 5 N-blocks of 128 in either TPU schedule, 3 K-blocks of 128 in the K-blocked
   # one (forced by a zero VMEM budget for the weights-outer one).
   if schedule == "k_blocked":
-    monkeypatch.setattr(gmm_lib, "_TPU_VMEM_BUDGET", 0)
+    monkeypatch.setattr(gmm_tpu, "_TPU_VMEM_BUDGET", 0)
   plan, lhs, rhs = _gmm_inputs(seed, group_ids, num_groups, tile_m, 384, 640)
   args = (lhs, rhs, plan.tile_group, plan.num_tiles_used)
   out = _jit_gmm(*args, tile_m=tile_m)
@@ -246,9 +248,9 @@ def test_grouped_matmul_xla_rounds_equal_run_loop_bitwise(dtype, tile_m, transpo
   shape = (groups, n_dim, k_dim) if transpose_rhs else (groups, k_dim, n_dim)
   rhs = jax.random.normal(_key(910 + tile_m), shape, dtype)
   kw = dict(tile_m=tile_m, out_dtype=dtype, transpose_rhs=transpose_rhs)
-  rounds = jax.jit(functools.partial(gmm_lib._gmm_xla_rounds, **kw))
-  run_loop = jax.jit(functools.partial(gmm_lib._gmm_xla, **kw))
-  auto = jax.jit(functools.partial(gmm_lib._gmm_xla_auto, **kw))
+  rounds = jax.jit(functools.partial(gmm_xla.gmm_rounds, **kw))
+  run_loop = jax.jit(functools.partial(gmm_xla.gmm_run_loop, **kw))
+  auto = jax.jit(functools.partial(gmm_xla.gmm_xla, **kw))
   layouts = [np.repeat(np.arange(groups), 2),  # balanced decode: rounds
              np.asarray([3, 3, 0, 3, 1, 1, 1, 4, 2, 2]),  # unsorted, a group comes back
              np.asarray([0] * 9 + [4]),  # skewed: the run loop
@@ -305,12 +307,12 @@ def test_pallas_tpu_reads_each_expert_once_at_decode_shapes():
   tg = plan.tile_group + 1 * slots  # layer 1 of the stack, as moe.py offsets it
   used, num_tiles = int(plan.num_tiles_used), plan.tile_group.shape[0]
   assert used == 1 + 8 + 4 < num_tiles
-  sch = gmm_lib._tpu_schedule(num_tiles * tile_m, k_dim, n_dim, tile_m, 4, 4, False)
+  sch = gmm_tpu.tpu_schedule(num_tiles * tile_m, k_dim, n_dim, tile_m, 4, 4, False)
   assert sch.weights_outer
   n_blocks = n_dim // sch.tn
   assert _weight_fetches(sch, np.asarray(tg), used) == 3 * n_blocks  # three non-empty experts
   # the K-blocked schedule (long K) fetches a tile's weights per tile
-  long_k = gmm_lib._tpu_schedule(num_tiles * tile_m, 2**14, n_dim, tile_m, 4, 4, False)
+  long_k = gmm_tpu.tpu_schedule(num_tiles * tile_m, 2**14, n_dim, tile_m, 4, 4, False)
   assert not long_k.weights_outer
   assert _weight_fetches(long_k, np.asarray(tg), used) == used * long_k.grid[1] * long_k.grid[2]
 
@@ -618,7 +620,7 @@ def test_pallas_kernels_lower_for_tpu(dtype):
       assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fn), platforms=["tpu"])(*args))
   # a K too long for one VMEM weight block: the K-blocked schedule
   long_k = (S((256, 2**15), dtype), S((2, 2**15, 256), dtype), S((2,), jnp.int32), S((), jnp.int32))
-  assert not gmm_lib._tpu_schedule(256, 2**15, 256, 128, jnp.dtype(dtype).itemsize, 4,
+  assert not gmm_tpu.tpu_schedule(256, 2**15, 256, 128, jnp.dtype(dtype).itemsize, 4,
                                    False).weights_outer
   fk = lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=128, impl="pallas")
   assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fk), platforms=["tpu"])(*long_k))

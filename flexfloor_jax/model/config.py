@@ -81,7 +81,7 @@ def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
   takes its Mosaic GPU kernel only for bf16/fp16 operands of one dtype with K % 64 == 0 and either
   tiles of 8..56 rows (multiples of 8: the swapped kernel) with N % 64 == 0 or tiles of 64 rows or
   a multiple of 128 with N % 128 == 0, and the XLA loop otherwise (e.g. fp32, the tiny preset; see
-  `kernels.grouped_matmul._mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
+  `kernels.gmm_mgpu.mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
   actor's (8) take the swapped kernel, clear of the row-major kernel's race at tile_m 128 with
   K/64 = 5 or 6 (README "Device check").
   'pallas': the Pallas kernels; on CPU in interpret mode (the parity-test path).
