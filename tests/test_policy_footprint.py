@@ -15,9 +15,13 @@ def test_param_counts_of_the_tiny_preset_by_hand():
   assert footprint.expert_params(128, 256, 4) == 393216
 
 
-def test_model_config_counts_the_same_params():
+def test_model_config_and_sim_model_count_the_same_params():
   from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.sim import presets
   assert PRESETS["tiny"].param_count() == 268160 + 8 * 393216 == 3413888
+  assert presets.MODELS["tiny"].params == 3413888
+  assert presets.MODELS["tiny"].expert_bytes == 4 * 393216  # float32
+  assert presets.MODELS["mixtral-8x7b"].params == PRESETS["8x7b"].param_count()
 
 
 @pytest.mark.parametrize("experts,workers,slots", [(8, 1, 8), (8, 3, 3), (8, 7, 2), (8, 8, 1),
