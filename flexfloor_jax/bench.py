@@ -107,16 +107,6 @@ def _seqs_for(config):
   return runner.build_seqs(config, prompts, runner.resolve_lengths_mode(config)), model_cfg
 
 
-def sim_model(model_cfg):
-  from flexfloor_jax import sim
-  itemsize = 2 if model_cfg.dtype == "bfloat16" else int(
-      {"float32": 4, "float16": 2, "float64": 8}.get(model_cfg.dtype, 4))
-  return sim.Model(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e", model_cfg.vocab_size,
-                   model_cfg.hidden_size, model_cfg.intermediate_size, model_cfg.num_layers,
-                   model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim,
-                   model_cfg.num_experts, model_cfg.top_k, dtype_bytes=itemsize)
-
-
 def _same_responses(a: list[dict], b: list[dict]) -> bool:
   key = lambda r: (r["prompt_id"], r["sample"])
   return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
@@ -124,12 +114,13 @@ def _same_responses(a: list[dict], b: list[dict]) -> bool:
 
 def validate_bench(config) -> None:
   """The bench's own fields (runner.RolloutError naming the field)."""
-  from flexfloor_jax import runner, sim
+  from flexfloor_jax import runner
+  from flexfloor_jax.sim.presets import HARDWARE
   if config.epochs < 1 or config.repeats < 1:
     raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
                               f"{config.repeats}")
-  if config.roofline_hardware not in sim.HARDWARE:
-    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(sim.HARDWARE)}, got "
+  if config.roofline_hardware not in HARDWARE:
+    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(HARDWARE)}, got "
                               f"{config.roofline_hardware!r}")
 
 
@@ -139,12 +130,13 @@ def run_bench(config, *, progress: bool = True):
   from tqdm import tqdm
 
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax import runner, sim
+  from flexfloor_jax import runner
   from flexfloor_jax.policy import scheduler
+  from flexfloor_jax.sim import costs, presets, records as sim_records, replay
 
   validate_bench(config)
   pool = engine_lib.StepCachePool(engine_lib)
-  hw = sim.HARDWARE[config.roofline_hardware]
+  hw = presets.HARDWARE[config.roofline_hardware]
   history = scheduler.LengthHistory()
   names = [n for n, _ in variants(config)]
   epochs, timelines, records = [], {}, {}
@@ -165,7 +157,8 @@ def run_bench(config, *, progress: bool = True):
         bar.update(1)
     bar.close()
     seqs, model_cfg = _seqs_for(run_config(config, variants(config)[0][1], k))
-    model = sim_model(model_cfg)
+    model = presets.Model.from_config(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e",
+                                      model_cfg)
     ep: dict = {"epoch": k}
     for name in names:
       per = []
@@ -180,8 +173,8 @@ def run_bench(config, *, progress: bool = True):
                   step_cost=s.get("step_cost", "measured"))
         args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"],
                 s["floor"])
-        plain, _ = sim.replay(*args, **kw)
-        roof, _ = sim.replay(*args, cost=sim.RooflineCost(model, hw), model=model, **kw)
+        plain, _ = replay.replay(*args, **kw)
+        roof, _ = replay.replay(*args, cost=costs.RooflineCost(model, hw), model=model, **kw)
         m["sim_device_steps"] = plain["device_steps"]
         m["roofline_occupied_device_seconds"] = roof["occupied_device_seconds"]
         m["roofline_tokens_per_device_second"] = (
@@ -190,7 +183,7 @@ def run_bench(config, *, progress: bool = True):
         per.append(m)
         if rep == 0:
           timelines[(name, k)] = res.record.timeline
-          records[(name, k)] = sim.make_run_record(
+          records[(name, k)] = sim_records.make_run_record(
               name=f"{name}_e{k}", epoch=k, seqs=seqs, lengths=lengths, history=before,
               schedule=c.schedule, placement=c.scheduler.placement,
               compaction=bool(c.scheduler.compaction), num_workers=s["num_workers"],
@@ -275,13 +268,13 @@ def _ratios(a: dict, b: dict) -> dict:
 def _calibrate(records: dict) -> dict | None:
   """The sim's cpu preset fitted on the workload of epoch 0 (its static and flexfloor runs),
   predicting the runs of every later epoch (held-out workloads: other lengths)."""
-  from flexfloor_jax import sim
+  from flexfloor_jax.sim.records import calibrate_and_predict
   fit = [records[(n, 0)] for n in ("static", "flexfloor") if (n, 0) in records]
   held = [rec for (n, k), rec in sorted(records.items(), key=lambda kv: (kv[0][1], kv[0][0]))
           if k > 0]
   if not fit:
     return None
-  return sim.calibrate_and_predict(fit, held)
+  return calibrate_and_predict(fit, held)
 
 
 # ----------------------------------------------------------------------------- table, plot

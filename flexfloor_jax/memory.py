@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flexfloor_jax.policy import planner
+from flexfloor_jax.policy import footprint, planner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +111,7 @@ def main(argv=None):
   except planner.FloorError as err:
     print(f"  no floor: {err}")
     return
-  slots = math.ceil(e / floor)
+  slots = footprint.expert_slots(e, floor)
   print(f"  floor: {floor} workers, {slots} expert slots each: {t.per_device(slots) / gib:.3f} GiB "
         f"per device = non-expert + {slots} x expert + KV + workspace")
 

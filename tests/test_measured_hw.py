@@ -6,6 +6,7 @@ numpy only: the table is made here, no accelerator needed."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,8 +15,8 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax import sim
 from flexfloor_jax.policy import measured_hw
+from flexfloor_jax.sim import costs, presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXTRAL = dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,
@@ -83,7 +84,7 @@ def test_parse_and_interpolate_by_hand(tmp_path):
 
 def test_worker_seconds_scales_layers_and_vocab(tmp_path):
   tab = measured_hw.load(write(tmp_path, make_table()))
-  m = sim.dataclasses.replace(sim.MODELS["mixtral-8x7b"], vocab=64000)  # lm_head twice the table's
+  m = dataclasses.replace(presets.MODELS["mixtral-8x7b"], vocab=64000)  # lm_head twice the table's
   held, tok, ctx = np.array([2.0, 8.0]), np.array([20.0, 8.0]), np.array([20 * 2560, 8 * 1024])
   got = tab.worker_seconds(m, held, tok, ctx)
   want = [32 * 1e-4 * 2 * 1.625 * 1.625 + 2 * 2e-4, 32 * f(8, 8, 1024) + 2 * 1e-4]
@@ -94,16 +95,17 @@ def test_worker_seconds_scales_layers_and_vocab(tmp_path):
 
 
 def test_sim_decode_cost_uses_the_table_prefill_the_roofline(tmp_path):
-  model = sim.MODELS["mixtral-8x7b"]
-  hw = measured_hw.load_hardware(write(tmp_path, make_table()), sim.HARDWARE, model)
-  base = sim.HARDWARE["h200"]
+  model = presets.MODELS["mixtral-8x7b"]
+  hw = measured_hw.load_hardware(write(tmp_path, make_table()), presets.HARDWARE, model)
+  base = presets.HARDWARE["h200"]
   assert hw.name == "measured:table.json" and hw.link_bw == base.link_bw
   assert hw.hbm_bytes == base.hbm_bytes and hw.hbm_bw == 4.0e12 and hw.peak_flops == 7.0e14
   assert "Test GPU" in hw.source
   held, tok, ctx = np.array([2.0, 2.0, 2.0, 2.0]), np.full(4, 32.0), np.full(4, 32.0 * 1024)
-  cost = sim.RooflineCost(model, hw)
-  a2a = (2 * model.layers * 32 * model.top_k * model.hidden * model.dtype_bytes * 3 / 4
-         / hw.link_bw + 2 * model.layers * hw.collective_latency_s)
+  cost = costs.RooflineCost(model, hw)
+  # all_to_all by hand: each worker sends 3/4 of dispatch + combine of 32 tokens x top-2 x 4096
+  # x 2 bytes in 32 layers, 25,165,824 bytes at h200's 450 GB/s, + 64 collectives x 5 us
+  a2a = 25_165_824 / 450e9 + 64 * 5e-6
   want = hw.step_overhead_s + 32 * f(2, 32, 1024) + 3e-4 + a2a
   assert cost.step_seconds(held, tok, ctx) == pytest.approx(want, rel=1e-12)
   # one worker: no all_to_all
@@ -111,13 +113,13 @@ def test_sim_decode_cost_uses_the_table_prefill_the_roofline(tmp_path):
       pytest.approx(hw.step_overhead_s + 32 * f(8, 8, 4096) + 1e-4, rel=1e-12)
   # prefill (attn_ctx given) stays on the roofline of the measured bandwidth / FLOP/s
   pre = cost.step_seconds(held, tok, tok, tok * tok / 2)
-  roof = sim.RooflineCost(model, sim.dataclasses.replace(hw, step_table=None))
+  roof = costs.RooflineCost(model, dataclasses.replace(hw, step_table=None))
   assert pre == roof.step_seconds(held, tok, tok, tok * tok / 2)
   # the policy's StepCost goes through the same decode cost
-  sc = sim.RooflineStepCost(model, hw, 1024.0)
+  sc = costs.RooflineStepCost(model, hw, 1024.0)
   assert sc.decode_seconds(4, 128) == pytest.approx(want, rel=1e-12)
   # the other presets are untouched
-  assert sim.HARDWARE["h200"].step_table is None
+  assert presets.HARDWARE["h200"].step_table is None
 
 
 @pytest.mark.parametrize("mutate,field", [
@@ -161,13 +163,13 @@ def test_unreadable_and_mismatched_tables(tmp_path):
     measured_hw.load(write(tmp_path, t))
   path = write(tmp_path, make_table(sim_base_preset="gpu-9000"))
   with pytest.raises(measured_hw.TableError, match="sim_base_preset.*gpu-9000"):
-    measured_hw.load_hardware(path, sim.HARDWARE)
+    measured_hw.load_hardware(path, presets.HARDWARE)
   path = write(tmp_path, make_table())
   with pytest.raises(measured_hw.TableError, match=r"model: .*hidden 6144 \(table 4096\)"):
-    measured_hw.load_hardware(path, sim.HARDWARE, sim.MODELS["mixtral-8x22b"])
+    measured_hw.load_hardware(path, presets.HARDWARE, presets.MODELS["mixtral-8x22b"])
   with pytest.raises(measured_hw.TableError, match="dtype_bytes 4"):
-    measured_hw.load_hardware(path, sim.HARDWARE, sim.dataclasses.replace(
-        sim.MODELS["mixtral-8x7b"], dtype_bytes=4))
+    measured_hw.load_hardware(path, presets.HARDWARE, dataclasses.replace(
+        presets.MODELS["mixtral-8x7b"], dtype_bytes=4))
 
 
 def test_sim_cli_on_a_measured_table(tmp_path):

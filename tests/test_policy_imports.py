@@ -1,4 +1,5 @@
-"""policy/ is host-side numpy: importing it must not pull in jax/flax or the rest of the package."""
+"""Host-side modules (policy/, sim/) are numpy: importing them must not pull in jax/flax or the
+rest of the package."""
 
 import ast
 import pathlib
@@ -38,6 +39,54 @@ def test_sources_import_only_numpy_stdlib_and_policy():
         top = n.split('.')[0]
         if top == 'flexfloor_jax':
           assert n.startswith('flexfloor_jax.policy'), f'{path.name} imports {n}'
+        else:
+          assert top in stdlib or top in allowed_third_party or top == '__future__', \
+              f'{path.name} imports {n}'
+
+
+SIM = ROOT / 'flexfloor_jax' / 'sim'
+SIM_MODULES = sorted(p.stem for p in SIM.glob('*.py') if p.stem != '__main__')
+# what the simulator may import from the package besides itself and policy/: the model's
+# dimensions (model/config.py, no JAX)
+SIM_ALLOWED = ('flexfloor_jax.policy', 'flexfloor_jax.sim', 'flexfloor_jax.model.config')
+
+
+def test_sim_modules_exist():
+  assert {'presets', 'costs', 'replay', 'records', 'cluster', 'plot', 'cli'} <= set(SIM_MODULES)
+  assert (SIM / '__main__.py').exists()
+
+
+def test_sim_import_does_not_load_jax():
+  """Each sim module in a fresh interpreter of its own: none pulls in jax/flax, and none loads a
+  flexfloor_jax module outside policy/, sim/ and model/config.py."""
+  for m in SIM_MODULES:
+    mod = 'flexfloor_jax.sim' + ('' if m == '__init__' else f'.{m}')
+    code = (f'import sys\nimport {mod}\n'
+            'bad = sorted(m for m in sys.modules if m.split(".")[0] in ("jax", "flax", "jaxlib"))\n'
+            'others = sorted(m for m in sys.modules if m.startswith("flexfloor_jax.")'
+            f' and not m.startswith({SIM_ALLOWED!r}) and m != "flexfloor_jax.model")\n'
+            'assert not bad and not others, (bad, others)\n')
+    r = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, (mod, r.stdout + r.stderr)
+
+
+def test_sim_sources_import_no_jax():
+  """At the source level, matplotlib and absl imports inside functions included."""
+  allowed_third_party = {'numpy', 'matplotlib', 'absl'}
+  stdlib = set(sys.stdlib_module_names)
+  for path in SIM.glob('*.py'):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or '']
+      else:
+        continue
+      for n in names:
+        top = n.split('.')[0]
+        if top == 'flexfloor_jax':
+          assert n.startswith(SIM_ALLOWED), f'{path.name} imports {n}'
         else:
           assert top in stdlib or top in allowed_third_party or top == '__future__', \
               f'{path.name} imports {n}'

@@ -177,8 +177,9 @@ def test_flexfloor_within_slack_of_balanced_on_default_workload(epoch):
 def test_roofline_makes_eight_to_seven_a_loss():
   """The cost model's key term: with 8 experts, 7 workers means one holds 2 experts and gates the
   step, so 7 x t(7) > 8 x t(8) on the roofline; 4 workers (2 experts each) pay."""
-  code = ("from flexfloor_jax import sim; c = sim.RooflineStepCost(sim.MODELS['mixtral-8x7b'], "
-          "sim.HARDWARE['tpu-v5p'], 512); t = {n: c.decode_seconds(n, 32) for n in (8, 7, 4)}; "
+  code = ("from flexfloor_jax.sim import costs, presets; c = costs.RooflineStepCost("
+          "presets.MODELS['mixtral-8x7b'], presets.HARDWARE['tpu-v5p'], 512); "
+          "t = {n: c.decode_seconds(n, 32) for n in (8, 7, 4)}; "
           "print(7 * t[7] > 8 * t[8], 4 * t[4] < 8 * t[8], 'jax' in __import__('sys').modules)")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.split() == ["True", "True", "False"]

@@ -41,8 +41,21 @@ def test_default_static_idle_near_paper():
 
 
 def test_calibrate_sigma_picks_nearest():
-  s, idle = W.calibrate_sigma(grid=[0.1, W.DEFAULT_SIGMA, 1.0], epochs=range(4))
-  assert s == W.DEFAULT_SIGMA and abs(idle - W.IDLE_TARGET) < 0.05
+  """calibrate_sigma returns the grid sigma whose static idle is nearest the target, with that
+  sigma's idle: checked against static_idle of every grid point, on a grid without
+  DEFAULT_SIGMA, in either grid order, and at targets below and above every grid point."""
+  grid, epochs = [0.1, 0.5, 1.0], range(4)
+  idle = {g: float(W.static_idle(dataclasses.replace(W.WorkloadSpec(), sigma=g), epochs).mean())
+          for g in grid}
+  assert idle[0.1] < idle[1.0]  # wider spread of prompt lengths, more idle after finishing
+  picked = {}
+  for target in (W.IDLE_TARGET, 0.0, 1.0):
+    s, got = W.calibrate_sigma(target, grid=grid, epochs=epochs)
+    assert s in grid and got == pytest.approx(idle[s])
+    assert all(abs(got - target) <= abs(i - target) for i in idle.values()), (target, s, idle)
+    assert W.calibrate_sigma(target, grid=grid[::-1], epochs=epochs)[0] == s
+    picked[target] = s
+  assert picked[0.0] == min(idle, key=idle.get) and picked[1.0] == max(idle, key=idle.get)
 
 
 def test_jsonl_roundtrip(tmp_path):

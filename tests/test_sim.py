@@ -8,15 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax import sim
-from flexfloor_jax.policy import planner, scheduler, stepsim, workload
+from flexfloor_jax.policy import plan, planner, scheduler, stepsim, workload
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.sim import cluster, costs, presets, records, replay
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_sim_imports_no_jax():
-  code = ("import sys\nimport flexfloor_jax.sim, flexfloor_jax.policy.measured_hw\n"
+  code = ("import sys\nimport flexfloor_jax.sim.cli, flexfloor_jax.policy.measured_hw\n"
           "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
           "assert not bad, bad\n")
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -75,22 +75,22 @@ def test_replay_device_steps_equal_stepsim(schedule, placement, epoch):
   seqs, hist = workload.make_seqs(spec, epoch), _history(spec, epoch)
   args = (seqs, None, hist, schedule, 8, 4, 1)
   kw = dict(placement=placement, epoch=epoch)
-  queues, policy, _ = sim.plan_rollout(seqs, hist, schedule, 8, 4, 1, placement=placement,
-                                       epoch=epoch)
+  queues, policy, _ = plan.plan_rollout(seqs, hist, schedule, 8, 4, 1, placement=placement,
+                                        epoch=epoch)
   ref = stepsim.simulate(seqs, None, queues, policy, 8, 4, 8)
-  plain, _ = sim.replay(*args, **kw)
-  m = sim.MODELS["mixtral-8x7b"]
-  roof, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["tpu-v5p"]), **kw)
+  plain, _ = replay.replay(*args, **kw)
+  m, hw = presets.MODELS["mixtral-8x7b"], presets.HARDWARE
+  roof, _ = replay.replay(*args, model=m, cost=costs.RooflineCost(m, hw["tpu-v5p"]), **kw)
   assert plain["device_steps"] == ref["device_steps"] == roof["device_steps"]
   assert plain["generated_tokens"] == roof["generated_tokens"] == sum(s.target_len for s in seqs)
   assert roof["generation_wall_s"] > 0
-  h100, _ = sim.replay(*args, model=m, cost=sim.RooflineCost(m, sim.HARDWARE["h100"]), **kw)
+  h100, _ = replay.replay(*args, model=m, cost=costs.RooflineCost(m, hw["h100"]), **kw)
   assert h100["device_steps"] == ref["device_steps"]
 
 
 def test_roofline_fewer_workers_with_more_experts_cost_more():
-  m, hw = sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"]
-  c = sim.RooflineCost(m, hw)
+  m, hw = presets.MODELS["mixtral-8x7b"], presets.HARDWARE["tpu-v5p"]
+  c = costs.RooflineCost(m, hw)
   t = {}
   for n in (1, 2, 4, 8):
     held = np.full(n, 8 / n)
@@ -104,21 +104,21 @@ def test_roofline_fewer_workers_with_more_experts_cost_more():
 
 
 def test_presets_are_published_figures():
-  assert sim.HARDWARE["tpu-v5p"].hbm_bw == 2765e9
-  assert sim.HARDWARE["h200"].hbm_bytes == 141e9
-  assert sim.MODELS["mixtral-8x7b"].params == pytest.approx(46.7e9, rel=0.01)
-  assert sim.MODELS["mixtral-8x22b"].params == pytest.approx(140.6e9, rel=0.01)
-  assert sim.MODELS["qwen3-30b-a3b"].params == pytest.approx(30.5e9, rel=0.02)
-  for hw in sim.HARDWARE.values():
+  assert presets.HARDWARE["tpu-v5p"].hbm_bw == 2765e9
+  assert presets.HARDWARE["h200"].hbm_bytes == 141e9
+  assert presets.MODELS["mixtral-8x7b"].params == pytest.approx(46.7e9, rel=0.01)
+  assert presets.MODELS["mixtral-8x22b"].params == pytest.approx(140.6e9, rel=0.01)
+  assert presets.MODELS["qwen3-30b-a3b"].params == pytest.approx(30.5e9, rel=0.02)
+  for hw in presets.HARDWARE.values():
     assert hw.source
 
 
 def test_floor_per_hardware():
-  m = sim.MODELS["mixtral-8x7b"]
+  m, hw = presets.MODELS["mixtral-8x7b"], presets.HARDWARE
   # v5e (16 GiB): one 11 GB expert per chip and no fewer chips; v5p (95 GiB) holds it all
-  assert sim.floor_for(m, sim.HARDWARE["tpu-v5e"], 8, 4, 2304) == 8
-  assert sim.floor_for(m, sim.HARDWARE["tpu-v5p"], 8, 4, 2304) == 1
-  assert sim.floor_for(sim.MODELS["mixtral-8x22b"], sim.HARDWARE["tpu-v5p"], 8, 4, 2304) == 4
+  assert cluster.floor_for(m, hw["tpu-v5e"], 8, 4, 2304) == 8
+  assert cluster.floor_for(m, hw["tpu-v5p"], 8, 4, 2304) == 1
+  assert cluster.floor_for(presets.MODELS["mixtral-8x22b"], hw["tpu-v5p"], 8, 4, 2304) == 4
 
 
 def _history_of(seqs, epochs=2):
@@ -143,7 +143,7 @@ def test_group_split_packs_within_balanced_makespan(lanes):
     return [planner.list_schedule_finish([], [lengths[i] + pre for i in g], lanes) if g else 0.0
             for g in split]
 
-  out = {k: sim.group_split(seqs, k, hist, G, lanes, ep, slack) for k in sim.SCHEDULES}
+  out = {k: cluster.group_split(seqs, k, hist, G, lanes, ep, slack) for k in plan.SCHEDULES}
   for k, split in out.items():
     assert sorted(i for g in split for i in g) == list(range(len(seqs))), k
   assert out["static"][0] == list(range(7))  # contiguous chunks
@@ -154,22 +154,22 @@ def test_group_split_packs_within_balanced_makespan(lanes):
 
 
 def test_cluster_groups_and_static_hold():
-  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 16,
-                           length_scale=1.0, processes=1)
+  m, hw = presets.MODELS["mixtral-8x7b"], presets.HARDWARE
+  r = cluster.simulate_cluster(m, hw["tpu-v5e"], 16, length_scale=1.0, processes=1)
   assert r["ep"] == 8 and r["groups"] == 2 and r["floor"] == 8
   # floor 8 = the whole group: no release inside a group, only whole groups that finish early
   assert r["flexfloor"]["worker_releases"] == 0
   assert r["ratio"]["tokens_per_occupied_device_second"] >= 1.0
   with pytest.raises(ValueError, match="ep="):
-    sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5e"], 12, ep=8)
+    cluster.simulate_cluster(m, hw["tpu-v5e"], 12, ep=8)
 
 
 def test_rl_step_released_logprobs_shorten_the_step():
   """64 tpu-v5p chips in 8 EP groups: the groups given the short work finish early and are
   released whole, and their devices score finished responses, so less log-prob work is left
   after generation (inside one group the time-aware floor keeps all 8: 8 -> 7 costs seconds)."""
-  r = sim.simulate_cluster(sim.MODELS["mixtral-8x7b"], sim.HARDWARE["tpu-v5p"], 64,
-                           length_scale=1.0, processes=1)
+  r = cluster.simulate_cluster(presets.MODELS["mixtral-8x7b"], presets.HARDWARE["tpu-v5p"], 64,
+                               length_scale=1.0, processes=1)
   q = r["rl_step"]
   st, fl, re = q["static"], q["flexfloor"], q["flexfloor_released_logprobs"]
   assert st["scored_during_generation"] == 0 and fl["scored_during_generation"] == 0
@@ -192,7 +192,7 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
   with pool.installed():
     res = runner.run(c, write_outputs=False, history=scheduler.LengthHistory(), progress=False)
   s = res.summary
-  return sim.make_run_record(
+  return records.make_run_record(
       name=f"{schedule}_seed{seed}", epoch=0, seqs=seqs,
       lengths={q: f.num_tokens for q, f in res.record.finishes.items()}, history=hist,
       schedule=schedule, placement="auto", compaction=bool(c.scheduler.compaction),
@@ -213,8 +213,8 @@ def test_cpu_preset_fitted_on_one_workload_predicts_another():
   a = _rollout(pool, seed=0)
   b = _rollout(pool, seed=1)
   assert a["lengths"] != b["lengths"]
-  r = sim.calibrate_and_predict([a], [b])
-  print(sim.format_calibration(r))
+  r = records.calibrate_and_predict([a], [b])
+  print(records.format_calibration(r))
   (p,) = r["predictions"]
   assert p["device_steps_exact"], p
-  assert abs(p["wall_rel_error"]) <= 0.25, sim.format_calibration(r)
+  assert abs(p["wall_rel_error"]) <= 0.25, records.format_calibration(r)

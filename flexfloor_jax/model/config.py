@@ -7,6 +7,8 @@ import hashlib
 import json
 from typing import Optional
 
+from flexfloor_jax.policy import footprint
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -43,12 +45,11 @@ class ModelConfig:
 
   def param_count(self) -> int:
     """Parameter count from the dimensions alone (embed + layers + norm + untied lm_head)."""
-    d, f, e, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_experts,
-                         self.num_heads, self.num_kv_heads, self.head_dim)
-    attn = d * h * hd * 2 + d * k * hd * 2
-    moe = d * e + 3 * e * d * f
-    layer = attn + moe + 2 * d
-    return self.vocab_size * d * 2 + self.num_layers * layer + d
+    e = self.num_experts
+    return (footprint.nonexpert_params(self.vocab_size, self.hidden_size, self.num_layers,
+                                       self.num_heads, self.num_kv_heads, self.head_dim, e)
+            + e * footprint.expert_params(self.hidden_size, self.intermediate_size,
+                                          self.num_layers))
 
 
 def model_identity(cfg: ModelConfig) -> str:

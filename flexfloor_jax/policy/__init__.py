@@ -5,6 +5,7 @@ controller  the rollout control loop and the Executor protocol the engine implem
 stepsim     a numpy Executor (step simulator) driven by the same controller
 scheduler   length history, prediction, static and FlexFloor placements
 planner     floor, release/compaction policy, expert placement table
+footprint   parameter counts and expert slots from a model's dimensions
 compile_plan  which mesh sizes (and which devices' movers) compile first: the plan's replay
 accounting  timeline of a rollout -> the metrics of summary.json, timeline plot
 

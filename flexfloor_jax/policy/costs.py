@@ -6,7 +6,7 @@ an active group of n workers holding `live_seqs` live sequences between them. Th
 makespan stays within its slack. Sources:
   - MeasuredStepCost: the engine's own median decode-step seconds per active-group size, measured
     during a rollout and kept in the length-history file, so the next run decides on them;
-  - a hardware preset of the simulator (sim.RooflineStepCost: roofline + per-step and
+  - a hardware preset of the simulator (sim.costs.RooflineStepCost: roofline + per-step and
     per-collective latency) where nothing is measured yet.
 """
 

@@ -5,8 +5,8 @@ expert-parallel MoE layer, ep_moe) on one accelerator for a Mixtral-shaped layer
 function of the experts the device holds (emulating one worker of an n-way EP group: E/n experts'
 weights, the token copies routed to them), the decode batch on the device, and the KV length, and
 writes the table as JSON (`scripts/step_table.py`). This module parses and validates that file and
-turns it into per-worker step seconds for the simulator (sim.RooflineCost hands a decode step's
-per-worker time to `StepTable.worker_seconds` when the hardware carries a table).
+turns it into per-worker step seconds for the simulator (sim.costs.RooflineCost hands a decode
+step's per-worker time to `StepTable.worker_seconds` when the hardware carries a table).
 
 File format (JSON object; `format` and `version` identify it):
   format            "flexfloor_jax.step_table"
@@ -14,10 +14,10 @@ File format (JSON object; `format` and `version` identify it):
   device            what timed it (e.g. "NVIDIA H200"); platform ("gpu" | "tpu" | "cpu")
   jax_version, created, dtype ("bfloat16" | "float32" | ...)
   model             {hidden, ffn, heads, kv_heads, head_dim, experts, top_k, vocab}: the layer the
-                    table was measured on (sim.Model field names); a simulated model must match it
-                    except for vocab and layers
+                    table was measured on (sim.presets.Model field names); a simulated model
+                    must match it except for vocab and layers
   layers_timed      how many layers the timed stack had (per-layer seconds = (step - fixed) / it)
-  sim_base_preset   the simulator preset (sim.HARDWARE) that supplies what one device cannot
+  sim_base_preset   the simulator preset (sim.presets.HARDWARE) that supplies what one device cannot
                     measure: interconnect bandwidth and latency, HBM capacity (the floor), and the
                     roofline of prefill steps
   measured          optional {hbm_bw (bytes/s, device-to-device copy), peak_flops (bf16 matmul
@@ -36,7 +36,7 @@ range: e is clamped (e <= E anyway); B below the smallest measured batch takes i
 decode batch is bound by reading weights, nearly flat in B), above the largest continues the last
 segment; kv continues the end segments on both sides (attention work is linear in the cached
 tokens read), at kv >= 0 and never below 0 seconds. The all_to_all, step overhead, releases and
-migrations stay the base preset's roofline terms (sim.RooflineCost).
+migrations stay the base preset's roofline terms (sim.costs.RooflineCost).
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ class StepTable:
 
   def worker_seconds(self, model, experts_held, tokens, ctx) -> np.ndarray:
     """Seconds of one decode step's device work per worker: experts held, live sequences and
-    cached tokens read (in all) by each; `model` a sim.Model (layers, vocab scale the table)."""
+    cached tokens read (in all) by each; `model` a sim.presets.Model (layers, vocab scale the
+    table)."""
     held = np.asarray(experts_held, float)
     tok = np.asarray(tokens, float)
     kv = np.where(tok > 0, np.asarray(ctx, float) / np.maximum(tok, 1e-12), self.kv_lens[0])
@@ -141,8 +142,8 @@ class StepTable:
     return per_layer * int(model.layers) + self.fixed_seconds(tok) * scale
 
   def check_model(self, model) -> None:
-    """Raise TableError unless `model` (a sim.Model) has the dimensions the table was measured on
-    (vocab and layer count may differ: the table scales them)."""
+    """Raise TableError unless `model` (a sim.presets.Model) has the dimensions the table was
+    measured on (vocab and layer count may differ: the table scales them)."""
     diff = [f"{k} {getattr(model, k, None)} (table {self.model[k]})" for k in MODEL_KEYS
             if getattr(model, k, None) != self.model[k]]
     want = DTYPE_BYTES.get(str(self.meta.get("dtype")))
@@ -245,9 +246,9 @@ def load(path: str) -> StepTable:
 
 def load_hardware(path: str, presets: Mapping[str, Any], model=None):
   """The simulator hardware for `--hardware=measured:FILE`: the table's base preset (a frozen
-  sim.Hardware from `presets`) with the table attached (`step_table`), renamed, and its HBM
+  sim.presets.Hardware from `presets`) with the table attached (`step_table`), renamed, and its HBM
   bandwidth and peak FLOP/s replaced by the measured ones where the file has them. With `model`
-  (a sim.Model), also checks that the table was measured on that model's layer shape."""
+  (a sim.presets.Model), also checks that the table was measured on that model's layer shape."""
   table = load(path)
   base = table.meta["sim_base_preset"]
   if base not in presets:

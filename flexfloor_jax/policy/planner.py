@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import copy
 import heapq
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from flexfloor_jax.policy import footprint
 from flexfloor_jax.policy.controller import Plan, Seq, State
 
 
@@ -50,15 +50,16 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
   """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV + workspace fit on each
   device (`workspace_bytes`: what a release or migration holds in flight on one device)."""
   def need(n):
-    return (nonexpert_bytes + math.ceil(num_experts / n) * expert_bytes + kv_bytes_per_worker
-            + workspace_bytes)
+    return (nonexpert_bytes + footprint.expert_slots(num_experts, n) * expert_bytes
+            + kv_bytes_per_worker + workspace_bytes)
   for n in range(1, max_workers + 1):
     if need(n) <= device_memory_bytes:
       return n
   gib = 2.0**30
   raise FloorError(
       f'model does not fit on {max_workers} workers: each needs {need(max_workers) / gib:.2f} GiB '
-      f'(non-expert {nonexpert_bytes / gib:.2f} + {math.ceil(num_experts / max_workers)} of '
+      f'(non-expert {nonexpert_bytes / gib:.2f} + '
+      f'{footprint.expert_slots(num_experts, max_workers)} of '
       f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f} + '
       f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
 
@@ -454,7 +455,7 @@ class ExpertPlacement:
               num_workers: int | None = None) -> 'ExpertPlacement':
     """Contiguous blocks of ceil(E/n) experts per worker, in the order of `workers`."""
     n = len(workers)
-    per = math.ceil(num_experts / n)
+    per = footprint.expert_slots(num_experts, n)
     if per > slots:
       raise FloorError(f'{num_experts} experts need {per} slots on each of {n} workers; '
                        f'only {slots} are preallocated')

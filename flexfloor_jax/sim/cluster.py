@@ -1,0 +1,229 @@
+"""A rollout on a cluster of EP groups: static vs balanced vs FlexFloor on the roofline, and the
+RL step that follows the rollout.
+
+D devices run as D/ep expert-parallel groups (dp x ep, ep <= E), each group serving its own
+share of the batch (verl's data-parallel split), each group the size of a layout someone would
+run (8 workers for Mixtral's 8 experts). Within a group the runner's policy releases workers down
+to the group's memory floor, deciding on the roofline's step seconds (the time-aware floor);
+across groups a group is released as a whole when its last sequence is done, while the static
+baseline holds every device until the batch's last response (synchronous rollout). Moving
+sequences between groups is not modelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from flexfloor_jax.policy import plan, planner, reuse, scheduler, workload
+from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
+from flexfloor_jax.sim.presets import Hardware, Model
+from flexfloor_jax.sim.replay import replay
+
+
+def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
+              max_seq_len: int) -> int:
+  kv = slots_per_worker * max_seq_len * model.kv_bytes_per_token
+  return planner.floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
+                               int(hw.hbm_bytes), ep)
+
+
+def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
+  """Metrics of the whole cluster (seconds) from each group's worker timeline."""
+  end = max(g["metrics"]["generation_wall_s"] for g in groups)
+  occ = idle = 0.0
+  tokens = sum(g["metrics"]["generated_tokens"] for g in groups)
+  ds = sum(g["metrics"]["device_steps"] for g in groups)
+  for g in groups:
+    for w in g["metrics"]["workers"]:
+      rel = end if hold_to_end else w["release_s"]
+      occ += rel
+      idle += rel - w["local_finish_s"]
+  n = sum(len(g["metrics"]["workers"]) for g in groups)
+  # devices: those of groups that got work (the others go before the first step)
+  return dict(devices=n, generated_tokens=tokens, device_steps=ds,
+              occupied_device_seconds=occ,
+              tokens_per_occupied_device_second=tokens / occ if occ else 0.0,
+              idle_after_finish_fraction_seconds=idle / occ if occ else 0.0,
+              generation_wall_s=end, throughput_tokens_per_s=tokens / end if end else 0.0,
+              worker_releases=sum(g["metrics"]["num_worker_releases"] for g in groups))
+
+
+def _group_job(job):
+  """One EP group's rollout (a top-level function: it runs in worker processes)."""
+  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement = job
+  m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
+                  steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
+                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement)
+  rel = m.pop("releases", [])
+  m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
+  # for the RL step model: when each response finished, its tokens, when workers were released
+  tl = rec.timeline
+  m["finish_s"] = [tl.step_end_time(f["step"] + 1) - tl.t_start for f in tl.finishes]
+  m["finish_tokens"] = [gs[f["seq_id"]].prompt_len + f["num_tokens"] for f in tl.finishes]
+  return m
+
+
+def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
+                    released: bool) -> dict:
+  """An RL step on the cluster (roofline): generation, old log-probs of every response (a
+  compute-bound forward), update (~3 forwards: forward + backward); with `released`, the
+  workers released during generation score finished responses meanwhile (policy/reuse.py), in
+  groups of `floor` devices (the fewest that hold the model)."""
+  active = model.nonexpert_params + model.top_k * model.expert_params
+  spt = 2.0 * active / hw.peak_flops
+  gen = max(g["generation_wall_s"] for g in groups)
+  n = sum(len(g["workers"]) for g in groups)
+  lp = reuse.logprob_phase_seconds(
+      [t for g in groups for t in g["finish_s"]], [k for g in groups for k in g["finish_tokens"]],
+      [w["release_s"] for g in groups for w in g["workers"]] if released else [], gen, n, spt,
+      group=floor)
+  update = 3.0 * lp["without"]
+  return dict(gen_s=gen, logprob_s=lp["with"], update_s=update,
+              step_s=gen + lp["with"] + update, scored_during_generation=lp["scored_early"])
+
+
+def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int, ep: int,
+                slack: float = 0.05, *, num_scenarios: int = 8, num_candidates: int = 16,
+                seed: int = 0) -> list[list[int]]:
+  """Which sequences each EP group serves (indices into `seqs`).
+  static: verl's contiguous data-parallel chunks. balanced: longest predicted first onto the group
+  whose list-scheduled finish (over its ep x slots lanes) grows least. flexfloor: packed from the
+  last group backwards, longest first, each group's lanes up to a cap, so the first groups get
+  the short work (or none), finish early and are released whole. The cap is chosen like the
+  in-group placement's (scheduler.flexfloor_placement): over length scenarios drawn from the
+  history, the largest packing whose mean makespan stays within `slack` of the balanced split's
+  and that holds the fewest group-seconds (a group is held until its last response)."""
+  if schedule == "static":
+    return [list(map(int, g)) for g in np.array_split(np.arange(len(seqs)), groups)]
+  # a group admits one sequence per worker per prefill step and every lane waits for it: each
+  # sequence costs its group's lanes lanes/ep = slots-per-worker lane-steps on top of its length
+  prefill = lanes / ep
+  pred = scheduler.predict(history, seqs, quantile=0.9) + prefill
+  idx = [dataclasses.replace(s, seq_id=i) for i, s in enumerate(seqs)]
+  bal = scheduler.balanced_placement(idx, pred, list(range(groups)), lanes)
+  if schedule == "balanced":
+    return [bal[g] for g in range(groups)]
+  worlds = ([np.array([d[i] for i in range(len(seqs))], float) + prefill
+             for d in scheduler.sample_scenarios(history, idx, pred, num_scenarios, seed)]
+            if len(history) else [pred])
+
+  def finishes(split):
+    """[scenario, group] list-scheduled finish (lane-steps) of a split; queues in split order."""
+    return np.array([[planner.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
+                      for q in split] for L in worlds])
+
+  bal_split = [bal[g] for g in range(groups)]
+  budget = finishes(bal_split).max(axis=1).mean() * (1.0 + slack)
+  order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
+  lo = float(pred.sum()) / (groups * lanes)
+  hi = max(planner.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
+  best = (float(finishes(bal_split).sum(axis=1).mean()), bal_split)  # balanced: always on time
+  for cap in np.linspace(lo, max(lo, hi) * (1.0 + slack), num_candidates):
+    packed = scheduler._pack(order, pred, list(range(groups)), lanes, float(cap))
+    split = [packed[g] for g in range(groups)]
+    fin = finishes(split)
+    if fin.max(axis=1).mean() <= budget and fin.sum(axis=1).mean() < best[0]:
+      best = (float(fin.sum(axis=1).mean()), split)
+  return best[1]
+
+
+# the oracle runs: the same policy told every response's actual length
+RUNS = plan.SCHEDULES + ("oracle_balanced", "oracle_flexfloor")
+
+
+def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
+                     slots_per_worker: int = workload.DEFAULT_SLOTS_PER_WORKER,
+                     seqs_per_device: int = 8, samples_per_prompt: int = 8,
+                     length_scale: float = 8.0, prompt_len: int = 256, epochs: int = 3,
+                     steps_per_dispatch: int = 0, seed: int = 0,
+                     processes: Optional[int] = None, release_sizes: str = "",
+                     makespan_slack: float = 0.05) -> dict:
+  """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
+  `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
+  scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
+  (the default rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens).
+  steps_per_dispatch 0 = the default rollout's 8 x length_scale: the same host-check granularity
+  relative to response length (finishes and refills stop a dispatch at the exact step anyway).
+  Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its release
+  policy deciding on the roofline (RooflineStepCost: the time-aware floor) and `release_sizes`.
+  processes: worker processes for the groups (default: all cores; 1 = in this process)."""
+  steps_per_dispatch = steps_per_dispatch or max(
+      1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * length_scale)))
+  ep = ep or min(devices, model.experts, 8)
+  if ep > model.experts or devices % ep:
+    raise ValueError(f"ep={ep} must divide devices={devices} and be <= {model.experts} experts")
+  num_prompts = max(1, devices * seqs_per_device // samples_per_prompt)
+  spec = workload.WorkloadSpec(num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
+                               seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
+                               cap=int(round(workload.DEFAULT_CAP * length_scale)))
+  floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
+  sizes = planner.release_sizes(release_sizes, ep, floor)
+  last = epochs - 1
+  seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
+  hist = scheduler.LengthHistory()
+  for e in range(last):
+    prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
+    hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
+  ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
+  # the schedules with perfect knowledge (every sequence its own prompt, whose history is its
+  # actual length): what the policy and the cost model allow on these lengths. oracle_balanced's
+  # makespan bounds the throughput, oracle_flexfloor's device time the tokens per device-second.
+  oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
+  known = scheduler.LengthHistory()
+  known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
+  # across groups the split spends the slack (group_split); inside a group of several the
+  # placement is balanced's and releases keep to that group's balanced makespan, or the two
+  # slacks would compound (a placement made for releasing buys little where a release must pay
+  # in roofline seconds)
+  inner_slack, inner_placement = (makespan_slack, "auto") if devices == ep else (0.0, "balanced")
+  jobs, labels = [], []
+  for label in RUNS:
+    sched = label.removeprefix("oracle_")
+    ss, hh = (oracle, known) if label.startswith("oracle_") else (seqs, hist)
+    for g in group_split(ss, sched, hh, devices // ep, ep * slots_per_worker, ep,
+                         makespan_slack, seed=last):
+      if not g:  # a group given no work is released before the first step
+        continue
+      labels.append(label)
+      jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
+                   hh, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
+                   inner_slack, ctx, inner_placement))
+  procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
+  if procs > 1 and devices // ep > 1:
+    import concurrent.futures
+    import multiprocessing
+    mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp) as pool:
+      results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))
+  else:
+    results = [_group_job(j) for j in jobs]
+  groups_of = lambda label: [m for lb, m in zip(labels, results) if lb == label]
+  out = {label: _cluster_metrics([dict(metrics=m) for m in groups_of(label)],
+                                 hold_to_end=not label.endswith("flexfloor")) for label in RUNS}
+  rl = {"static": rl_step_seconds(groups_of("static"), model, hw, floor, released=False),
+        "flexfloor": rl_step_seconds(groups_of("flexfloor"), model, hw, floor, released=False),
+        "flexfloor_released_logprobs": rl_step_seconds(groups_of("flexfloor"), model, hw, floor,
+                                                       released=True)}
+  keys = ("tokens_per_occupied_device_second", "throughput_tokens_per_s",
+          "occupied_device_seconds", "generation_wall_s")
+  s = out["static"]
+  ratio = {k: out["flexfloor"][k] / s[k] for k in keys if s[k]}
+  ratio_balanced = {k: out["balanced"][k] / s[k] for k in keys if s[k]}
+  ratio_oracle = {label: {k: out[label][k] / s[k] for k in keys if s[k]}
+                  for label in RUNS if label.startswith("oracle_")}
+  return dict(model=model.name, hardware=hw.name, devices=devices, ep=ep, groups=devices // ep,
+              floor=floor, epoch=last, workload=dataclasses.asdict(spec), prompt_len=prompt_len,
+              slots_per_worker=slots_per_worker, steps_per_dispatch=steps_per_dispatch,
+              release_sizes=list(sizes) if sizes else None, makespan_slack=makespan_slack,
+              cost_model=RooflineStepCost(model, hw, ctx).name,
+              static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
+              ratio_balanced=ratio_balanced, oracle_balanced=out["oracle_balanced"],
+              oracle_flexfloor=out["oracle_flexfloor"], ratio_oracle=ratio_oracle,
+              rl_step=rl)
+

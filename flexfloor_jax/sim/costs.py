@@ -1,0 +1,169 @@
+"""Seconds of a simulated step: the roofline model of an accelerator, and the linear model of
+emulated CPU devices fitted to measured timelines.
+
+Roofline (`RooflineCost`), one SPMD step on an EP group of n active workers:
+  per worker w:  t_w = max(bytes_w / HBM bandwidth, flops_w / peak flops)
+     bytes_w = non-expert weights (replicated; all read every step)
+             + experts held by w that at least one token of the step is routed to (expected
+               number under uniform top-k routing) x bytes of one expert
+             + KV bytes of w's live sequences (every cached token of every live slot is read)
+  all_to_all:   t_a2a = max_w (dispatch + combine bytes leaving w) / interconnect bandwidth
+                        + 2 collectives x layers x collective latency        (0 when n = 1)
+  step time   = fixed step overhead + max_w t_w + t_a2a
+Memory/compute of a worker overlap (max); the all_to_all does not overlap them (sum): in a decode
+step the expert matmul of a layer needs its dispatched tokens and the next layer needs the
+combined output, so nothing is left to hide it behind. The slowest worker gates the SPMD step
+(max over workers). A release costs the moved experts' bytes over the interconnect, a migration
+its KV bytes.
+
+`cpu` hardware (`LinearCost`): fitted by least squares to the measured timelines of one workload
+(`fit_cpu`; its static and flexfloor rollouts): decode dispatch seconds ~ dispatch + steps +
+steps x active workers (x expert slots) + live slot-steps, prefill ~ steps + steps x active
+workers (x expert slots), plus a cost per release and per migration. Emulated CPU devices share
+the host's cores, so a CPU step costs more with more active workers (the opposite of a real
+accelerator, where fewer workers holding more experts each are slower per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from flexfloor_jax.policy import accounting
+from flexfloor_jax.sim.presets import Hardware, Model
+
+class RooflineCost:
+  """Seconds of one SPMD step from the state of the group (the roofline of the module doc)."""
+
+  def __init__(self, model: Model, hw: Hardware):
+    self.model, self.hw = model, hw
+
+  def step_seconds(self, experts_held: np.ndarray, tokens: np.ndarray, ctx: np.ndarray,
+                   attn_ctx: Optional[np.ndarray] = None) -> float:
+    """experts_held, tokens (new tokens this step), ctx (cached tokens read): per active worker.
+    attn_ctx: token x context products for attention FLOPs (default ctx: each new token attends
+    over its own sequence's cache). A step with attn_ctx given is a prefill, never looked up in a
+    measured step table."""
+    m, hw = self.model, self.hw
+    n = len(experts_held)
+    T = float(tokens.sum())
+    if T <= 0:
+      return hw.step_overhead_s
+    hit = 1.0 - (1.0 - m.top_k / m.experts) ** T  # P(an expert gets >= 1 of the T tokens)
+    bytes_w = m.nonexpert_read_bytes + experts_held * hit * m.expert_bytes \
+        + ctx * m.kv_bytes_per_token
+    routed = T * m.top_k * experts_held / m.experts  # token copies served by each worker
+    if attn_ctx is None:
+      attn_ctx = ctx
+    flops_w = (2.0 * tokens * m.nonexpert_read_params + 2.0 * routed * m.expert_params
+               + 4.0 * m.layers * m.heads * m.head_dim * attn_ctx)
+    t_w = np.maximum(bytes_w / hw.hbm_bw, flops_w / hw.peak_flops)
+    if hw.step_table is not None and attn_ctx is ctx:  # decode (attn_ctx defaulted): measured
+      t_w = hw.step_table.worker_seconds(m, experts_held, tokens, ctx)
+    t = hw.step_overhead_s + float(t_w.max())
+    if n > 1:
+      a2a = 2.0 * m.layers * tokens * m.top_k * m.hidden * m.dtype_bytes * (n - 1) / n
+      t += float(a2a.max()) / hw.link_bw + 2 * m.layers * hw.collective_latency_s
+    return t
+
+  def migrate_seconds(self, kv_bytes: float) -> float:
+    return self.hw.step_overhead_s + kv_bytes / self.hw.link_bw
+
+  def shrink_seconds(self, expert_moves: int) -> float:
+    return self.hw.step_overhead_s + expert_moves * self.model.expert_bytes / self.hw.link_bw
+
+
+class RooflineStepCost:
+  """The policy's StepCost interface (policy/costs.py) on the roofline: one decode step of n active
+  workers holding `live` sequences between them, experts spread as evenly as the placement
+  spreads them (the slowest worker, with ceil(E/n), gates the step), each sequence reading
+  `ctx_per_seq` cached tokens. What the time-aware floor decides on where nothing is measured."""
+
+  name = "roofline"
+
+  def __init__(self, model: Model, hw: Hardware, ctx_per_seq: float):
+    self.roof, self.ctx = RooflineCost(model, hw), float(ctx_per_seq)
+    self.name = f"roofline:{hw.name}"
+
+  def decode_seconds(self, n_active: int, live_seqs: int) -> float:
+    n, E = int(n_active), self.roof.model.experts
+    held = np.full(n, E // n, float)
+    held[:E % n] += 1
+    tok = np.full(n, max(float(live_seqs), 1.0) / n)
+    return self.roof.step_seconds(held, tok, tok * self.ctx)
+
+
+@dataclasses.dataclass
+class LinearCost:
+  """The `cpu` hardware preset: fitted to measured step times (`fit_cpu`).
+
+  A step's work on emulated CPU devices grows with the active workers (they share the host's
+  cores) and with the expert slots each worker holds (S: the engine's expert matmul runs over all
+  S preallocated slots, empty or not; S = ceil(E / floor) for flexfloor, ceil(E / N) for static)."""
+  decode_dispatch: float = 0.0  # s per decode dispatch (host sync, launch)
+  decode_step: float = 0.0  # s per decode step
+  decode_step_worker: float = 0.0  # s per decode step per active worker
+  decode_step_worker_slot: float = 0.0  # s per decode step per active worker per expert slot
+  decode_slot_step: float = 0.0  # s per live decode slot per step
+  prefill_step: float = 0.0  # s per prefill step
+  prefill_worker: float = 0.0  # s per prefill step per active worker
+  prefill_worker_slot: float = 0.0  # s per prefill step per active worker per expert slot
+  release: float = 0.0  # s per release (reshard, first step on the new mesh)
+  migration: float = 0.0  # s per migration round
+  fitted_on: str = ""
+
+  NAMES = ("decode_dispatch", "decode_step", "decode_step_worker", "decode_step_worker_slot",
+           "decode_slot_step", "prefill_step", "prefill_worker", "prefill_worker_slot",
+           "release", "migration")
+
+  def to_dict(self):
+    return dataclasses.asdict(self)
+
+
+def _dispatch_rows(tl: accounting.Timeline, expert_slots: int):
+  """Per step record of a timeline: LinearCost's features and the seconds it took, including
+  the host gap up to the next record (where releases and migrations happen)."""
+  fin_at: dict[int, int] = {}
+  for f in tl.finishes:
+    fin_at[f["step"]] = fin_at.get(f["step"], 0) + 1
+  events = sorted([(r["t"], "release") for r in tl.releases if not r["final"]]
+                  + [(m["t"], "migration") for m in tl.migrations])
+  end = tl.t_end if tl.t_end is not None else tl.steps[-1]["t1"]
+  S = float(expert_slots)
+  X, y = [], []
+  for i, r in enumerate(tl.steps):
+    nxt = tl.steps[i + 1]["t0"] if i + 1 < len(tl.steps) else end
+    n, k = len(r["active"]), r["num_steps"]
+    x = dict.fromkeys(LinearCost.NAMES, 0.0)
+    if r["kind"] == "decode":
+      live, slot_steps = sum(r["live"]), 0
+      for j in range(r["start"], r["start"] + k):
+        slot_steps += live
+        live -= fin_at.get(j, 0)
+      x.update(decode_dispatch=1.0, decode_step=k, decode_step_worker=k * n,
+               decode_step_worker_slot=k * n * S, decode_slot_step=slot_steps)
+    else:
+      x.update(prefill_step=k, prefill_worker=k * n, prefill_worker_slot=k * n * S)
+    x["release"] = sum(1 for t, e in events if e == "release" and r["t1"] <= t <= nxt)
+    x["migration"] = sum(1 for t, e in events if e == "migration" and r["t1"] <= t <= nxt)
+    X.append([x[nm] for nm in LinearCost.NAMES])
+    y.append(nxt - r["t0"])
+  return np.asarray(X, float), np.asarray(y, float)
+
+
+def fit_cpu(runs, name: str = "") -> LinearCost:
+  """Least squares of the seconds of every dispatch (and the host gap after it) on LinearCost's
+  features. runs: [(Timeline, expert slots per worker)], all from one workload; the static and
+  the flexfloor rollout of it between them vary both the active workers and the expert slots
+  (one rollout alone cannot tell the per-slot from the per-worker term: the fit is then the
+  minimum-norm one, right only for rollouts with the same expert slots)."""
+  rows = [_dispatch_rows(tl, S) for tl, S in runs]
+  X = np.concatenate([r[0] for r in rows]) if rows else np.zeros((0, len(LinearCost.NAMES)))
+  y = np.concatenate([r[1] for r in rows]) if rows else np.zeros(0)
+  if not len(y):
+    raise ValueError("no steps to fit")
+  coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+  return LinearCost(**dict(zip(LinearCost.NAMES, map(float, coef))), fitted_on=name)
+

@@ -1,0 +1,128 @@
+"""The simulator's hardware and model presets: published device figures and model dimensions.
+
+A `Model` is sized from its dimensions by `policy.footprint`, the formula the engine's model
+config uses as well; the Mixtral presets take their dimensions from `model.config.PRESETS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexfloor_jax.model.config import PRESETS, ModelConfig
+from flexfloor_jax.policy import footprint
+
+GB = 1e9
+GIB = 2.0**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  hbm_bw: float  # bytes/s per device
+  hbm_bytes: float  # bytes per device
+  link_bw: float  # bytes/s a device can send to its EP group (one direction)
+  peak_flops: float  # dense bf16 FLOP/s per device
+  step_overhead_s: float = 20e-6  # launch + host sync per step (assumption, not a published figure)
+  collective_latency_s: float = 5e-6  # per all_to_all (assumption, not a published figure)
+  source: str = ""
+  # --hardware=measured:FILE: measured decode-step times per worker (policy/measured_hw.py)
+  step_table: object = dataclasses.field(default=None, compare=False, repr=False)
+
+
+HARDWARE = {
+    # cloud.google.com/tpu/docs/v5e: 16 GiB HBM2 at 819 GB/s, ICI 1,600 Gbps per chip (= 200 GB/s),
+    # 197 TFLOP/s bf16.
+    "tpu-v5e": Hardware("tpu-v5e", 819 * GB, 16 * GIB, 200 * GB, 197e12,
+                        source="cloud.google.com/tpu/docs/v5e"),
+    # cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e at 2,765 GB/s, ICI 4,800 Gbps per chip
+    # (= 600 GB/s; the page also lists 1,200 GB/s bidirectional), 459 TFLOP/s bf16.
+    "tpu-v5p": Hardware("tpu-v5p", 2765 * GB, 95 * GIB, 600 * GB, 459e12,
+                        source="cloud.google.com/tpu/docs/v5p"),
+    # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 80 GB HBM3 at 3.35 TB/s,
+    # NVLink 900 GB/s bidirectional (450 GB/s each way), 989 TFLOP/s dense bf16. An EP group of 8
+    # is one NVLink/NVSwitch node.
+    "h100": Hardware("h100", 3350 * GB, 80 * GB, 450 * GB, 989e12,
+                     source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
+    # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e at 4.8 TB/s,
+    # NVLink 900 GB/s bidirectional, same GH100 compute as H100 (989 TFLOP/s dense bf16).
+    "h200": Hardware("h200", 4800 * GB, 141 * GB, 450 * GB, 989e12,
+                     source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+}
+
+# bytes per parameter of a model config's dtype name (bfloat16 has no numpy dtype)
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  name: str
+  vocab: int
+  hidden: int  # D
+  ffn: int  # F per expert
+  layers: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  experts: int
+  top_k: int
+  dtype_bytes: int = 2
+  source: str = ""
+
+  @classmethod
+  def from_config(cls, name: str, cfg: ModelConfig, source: str = "") -> "Model":
+    """The engine's model config (`model.config.ModelConfig`) as a simulator model."""
+    return cls(name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+               cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k,
+               dtype_bytes=DTYPE_BYTES.get(cfg.dtype, 4), source=source)
+
+  @property
+  def expert_params(self) -> int:
+    """One expert, all layers (w1, w3, w2)."""
+    return footprint.expert_params(self.hidden, self.ffn, self.layers)
+
+  @property
+  def expert_bytes(self) -> int:
+    return self.expert_params * self.dtype_bytes
+
+  @property
+  def nonexpert_params(self) -> int:
+    return footprint.nonexpert_params(self.vocab, self.hidden, self.layers, self.heads,
+                                      self.kv_heads, self.head_dim, self.experts)
+
+  @property
+  def nonexpert_bytes(self) -> int:
+    """All non-expert weights (what each worker holds: replicated)."""
+    return self.nonexpert_params * self.dtype_bytes
+
+  @property
+  def nonexpert_read_params(self) -> int:
+    """Non-expert weights read per decode step: all but the embedding table (a row gather)."""
+    return self.nonexpert_params - self.vocab * self.hidden
+
+  @property
+  def nonexpert_read_bytes(self) -> int:
+    return self.nonexpert_read_params * self.dtype_bytes
+
+  @property
+  def kv_bytes_per_token(self) -> int:
+    return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+  @property
+  def params(self) -> int:
+    return self.nonexpert_params + self.experts * self.expert_params
+
+
+MODELS = {
+    "mixtral-8x7b": Model.from_config(
+        "mixtral-8x7b", PRESETS["8x7b"],
+        source="huggingface.co/mistralai/Mixtral-8x7B-v0.1/config.json"),
+    "mixtral-8x22b": Model.from_config(
+        "mixtral-8x22b", PRESETS["8x22b"],
+        source="huggingface.co/mistralai/Mixtral-8x22B-v0.1/config.json"),
+    # Qwen/Qwen3-30B-A3B config.json: hidden 2048, moe_intermediate_size 768, 48 layers, 32 heads,
+    # 4 KV heads, head_dim 128, 128 experts, 8 per token, vocab 151936, untied embeddings.
+    "qwen3-30b-a3b": Model("qwen3-30b-a3b", 151936, 2048, 768, 48, 32, 4, 128, 128, 8,
+                           source="huggingface.co/Qwen/Qwen3-30B-A3B/config.json"),
+    "tiny": Model.from_config("tiny", PRESETS["tiny"],
+                              source="flexfloor_jax/model/config.py PRESETS['tiny']"),
+}

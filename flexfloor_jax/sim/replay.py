@@ -1,0 +1,142 @@
+"""One rollout replayed through the policy code the runner runs, with a clock from a cost model.
+
+What is replayed is not a copy of the policy but the policy itself: `policy.controller.run` drives
+a `policy.stepsim.SimExecutor` (subclassed here only to advance a clock by a cost model), with the
+placement from `policy.scheduler` and the release policy from `policy.planner`, chosen exactly as
+`runner.run` chooses them (`plan.plan_rollout`). With the same sequences and lengths the
+simulated device_steps therefore equal the engine's (tests/test_sim.py checks it against real
+rollouts).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import numpy as np
+
+from flexfloor_jax.policy import controller, footprint, plan, planner, stepsim
+from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.sim.costs import LinearCost
+from flexfloor_jax.sim.presets import Model
+
+
+class CostExecutor(stepsim.SimExecutor):
+  """stepsim.SimExecutor whose clock advances by a cost model (cost=None: no time; the clock is
+  then the step count). The stepping (what runs, when a dispatch stops, who finishes) is
+  SimExecutor's own; only time is added, so device_steps are the same as a plain SimExecutor's
+  and the engine's."""
+
+  def __init__(self, seqs, num_workers, slots_per_worker, lengths=None, *, cost=None,
+               expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0):
+    super().__init__(seqs, num_workers, slots_per_worker, lengths,
+                     kv_bytes_per_token=kv_bytes_per_token, expert_placement=expert_placement,
+                     expert_bytes=expert_bytes)
+    self.cost = cost
+
+  def clock(self) -> float:
+    return self.t if self.cost is not None else float(self.steps)
+
+  def _expert_slots(self) -> int:
+    return self.placement.slots if self.placement is not None else 1
+
+  def _experts_held(self) -> np.ndarray:
+    if self.placement is None:
+      return np.ones(len(self._active))
+    t = self.placement.slot_expert()
+    return np.array([(t[w] >= 0).sum() for w in self._active], float)
+
+  def _ctx_matrix(self):
+    """[n, B] remaining tokens and cached context of live slots (0 where free)."""
+    n, B = len(self._active), self.slots_per_worker
+    rem, ctx = np.zeros((n, B)), np.zeros((n, B))
+    for i, w in enumerate(self._active):
+      for s, q in enumerate(self.slot_seq[w]):
+        if q >= 0:
+          rem[i, s] = self.remaining[w][s]
+          ctx[i, s] = self.seqs[q].prompt_len + self.generated[w][s]
+    return rem, ctx
+
+  def prefill(self, assign):
+    out = super().prefill(assign)
+    c = self.cost
+    if isinstance(c, LinearCost):
+      n, S = len(self._active), self._expert_slots()
+      self.t += c.prefill_step + c.prefill_worker * n + c.prefill_worker_slot * n * S
+    elif c is not None:
+      pos = {w: i for i, w in enumerate(self._active)}
+      tok = np.zeros(len(self._active))
+      for w, _, q in assign:
+        tok[pos[w]] = self.seqs[q].prompt_len
+      # causal attention over the prompt: ~P^2/2 token-context products; KV read = the prompt
+      self.t += c.step_seconds(self._experts_held(), tok, tok, tok * tok / 2)
+    return out
+
+  def decode(self, max_steps, stop_on_refill, stop_on_idle):
+    c = self.cost
+    if c is None:
+      return super().decode(max_steps, stop_on_refill, stop_on_idle)
+    rem, ctx = self._ctx_matrix()
+    held = self._experts_held()
+    k, out = super().decode(max_steps, stop_on_refill, stop_on_idle)
+    if k <= 0:
+      return k, out
+    if isinstance(c, LinearCost):
+      slot_steps = float(np.minimum(rem, k).sum())
+      n, S = len(held), self._expert_slots()
+      self.t += (c.decode_dispatch + k * c.decode_step + k * n * c.decode_step_worker
+                 + k * n * S * c.decode_step_worker_slot + slot_steps * c.decode_slot_step)
+    else:
+      for j in range(k):
+        live = rem > j
+        self.t += c.step_seconds(held, live.sum(1).astype(float), ((ctx + j) * live).sum(1))
+    return k, out
+
+  def migrate(self, moves):
+    kv = super().migrate(moves)
+    if isinstance(self.cost, LinearCost):
+      self.t += self.cost.migration
+    elif self.cost is not None:
+      self.t += self.cost.migrate_seconds(kv)
+    return kv
+
+  def shrink(self, new_active):
+    stats = super().shrink(new_active)
+    if isinstance(self.cost, LinearCost):
+      s = self.cost.release
+    elif self.cost is not None:
+      s = self.cost.shrink_seconds(stats["expert_moves"])
+    else:
+      s = 0.0
+    stats["seconds"] = float(s)
+    self.t += s
+    return stats
+
+
+def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, schedule: str,
+           num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
+           model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
+           compaction: bool = True, epoch: int = 0,
+           num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
+           policy_cost=None, step_cost: str = "measured"):
+  """One rollout through the real policy code on a cost model -> (metrics, record).
+  cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
+  (`footprint.preallocated_slots`: what the runner preallocates).
+  `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all).
+  `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = as
+  the runner decides with `step_cost` (summary.json's): 'measured' = the step times kept in
+  `history`, 'steps' = device-steps alone."""
+  queues, policy, _ = plan.plan_rollout(
+      seqs, history, schedule, num_workers, slots_per_worker, floor,
+      steps_per_dispatch=steps_per_dispatch, placement=placement, compaction=compaction,
+      epoch=epoch, sizes=tuple(sizes) if sizes else None, makespan_slack=makespan_slack,
+      cost=policy_cost, step_cost=step_cost)
+  E = model.experts if model is not None else (num_experts or 8)
+  slots = footprint.preallocated_slots(schedule, E, num_workers, floor)
+  pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
+  ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
+                    kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
+                    expert_bytes=model.expert_bytes if model else 0)
+  rec = controller.run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch,
+                       clock=ex.clock)
+  return rec.metrics(), rec
+
