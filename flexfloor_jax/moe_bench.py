@@ -37,6 +37,7 @@ def main(argv):
 
   from flexfloor_jax import engine, mesh as mesh_lib
   from flexfloor_jax.model.moe import EPConfig, ep_moe
+  from flexfloor_jax.policy import footprint
   from flexfloor_jax.policy.planner import ExpertPlacement
 
   n, t, d, f, e, k = (_DEVICES.value, _TOKENS.value, _HIDDEN.value, _FFN.value, _EXPERTS.value,
@@ -48,7 +49,7 @@ def main(argv):
   w3 = 0.05 * jax.random.normal(keys[3], (e, d, f), jnp.float32)
   w2 = 0.05 * jax.random.normal(keys[4], (e, f, d), jnp.float32)
   mesh = mesh_lib.make_ep_mesh(jax.devices()[:n])
-  slots = -(-e // n)
+  slots = footprint.expert_slots(e, n)
   pl = ExpertPlacement.initial(e, list(range(n)), slots)
   ex = engine.slot_layout({"w1": w1[None], "w3": w3[None], "w2": w2[None]}, pl.slot_expert(),
                           mesh_lib.sharding(mesh, "layer", "expert", None, None))

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import compile_plan, costs, outputs, plan, planner, scheduler
+from flexfloor_jax.policy import (compile_plan, costs, footprint, outputs, plan, planner,
+                                  scheduler)
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary
@@ -170,7 +170,7 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
   except planner.FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
-  slots = math.ceil(e / (floor if flex else n))
+  slots = footprint.preallocated_slots(config.schedule, e, n, floor)
   try:
     allowed = planner.release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
   except ValueError as err:
