@@ -140,7 +140,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   held = placement.slot_expert()
   released = [0, 1]
   expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
-      eng.experts[k].nbytes // (8 * spec.expert_slots) for k in engine_lib.EXPERT_KEYS)
+      eng.experts[k].nbytes // (8 * spec.expert_slots) for k in tfm.EXPERT_KEYS)
   stats = eng.shrink(chain[2:])
   assert stats["expert_bytes_moved"] == expected > 0
   survivors = {devices[w].id for w in chain[2:]}
@@ -155,7 +155,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   assert sorted(se[se >= 0].tolist()) == list(range(MODEL.num_experts))
   # The moved experts' weights arrived intact: compare slot contents with the canonical weights.
   _, canon = engine_lib.split_params(params)
-  for k in engine_lib.EXPERT_KEYS:
+  for k in tfm.EXPERT_KEYS:
     w = np.asarray(eng.experts[k])
     for pos, row in enumerate(se):
       for s, e in enumerate(row):
