@@ -349,15 +349,13 @@ def test_route_rows_moves_blocks_within_the_mesh():
   """The multi-controller transfer (a ppermute over the mesh the rows were extracted on): each
   moved block lands on its destination device unchanged, also with a leading layer axis, and one
   executable serves a repeat of the same moves."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
   from flexfloor_jax import mesh as mesh_lib
   devs = jax.devices()[:6]
   mesh = mesh_lib.make_ep_mesh(devs)
-  ax = mesh.axis_names[0]
   k = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2, 6, 3)  # [L, rows, ...]: row axis 1
   s = np.arange(6 * 4, dtype=np.int32).reshape(6, 4)
-  rows = {"k": jax.device_put(k, NamedSharding(mesh, P(None, ax))),
-          "s": jax.device_put(s, NamedSharding(mesh, P(ax)))}
+  rows = {"k": jax.device_put(k, mesh_lib.sharding(mesh, "layer", "batch", None)),
+          "s": jax.device_put(s, mesh_lib.sharding(mesh, "batch", None))}
   dst_of_src = {0: devs[3], 1: devs[5], 4: devs[0]}
   n_fns = len(elastic._route_fns)
   for _ in range(2):
