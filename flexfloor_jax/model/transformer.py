@@ -1,4 +1,4 @@
-"""Mixtral decoder as pure functions over a params pytree, plus an NNX module that owns the params.
+"""Mixtral decoder as pure functions over a params pytree.
 
 Computes what Hugging Face `MixtralForCausalLM` computes: RMSNorm, rotate-half RoPE, GQA with an
 explicit head_dim and optional sliding window, top-k router with a softmax over the selected
@@ -24,7 +24,6 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model.config import ModelConfig
@@ -155,24 +154,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
 def abstract_params(cfg: ModelConfig) -> Params:
   """Shapes and dtypes of the params without allocating them (works for 8x7b / 8x22b)."""
   return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
-
-
-class Mixtral(nnx.Module):
-  """NNX owner of the params. `nnx.split` gives (graphdef, state) for jitted pure functions."""
-
-  def __init__(self, cfg: ModelConfig, *, params: Optional[Params] = None,
-               rngs: Optional[nnx.Rngs] = None):
-    self.cfg = cfg
-    if params is None:
-      rngs = rngs or nnx.Rngs(0)
-      params = init_params(cfg, rngs.params())
-    self.params = nnx.data(jax.tree.map(nnx.Param, params))
-
-  def param_dict(self) -> Params:
-    return jax.tree.map(lambda p: p[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Param))
-
-  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-    return forward(self.param_dict(), self.cfg, tokens_BT)[0]
 
 
 # ----------------------------------------------------------------------------- building blocks
