@@ -119,11 +119,11 @@ def host_values(arrays):
   global _read_counter
   _read_counter += 1
   key = f"flexfloor/host/{_read_counter}"
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from flexfloor_jax import mesh as mesh_lib
   mesh = arrays[0].sharding.mesh
   ck = (mesh, tuple((a.shape, a.dtype, a.sharding) for a in arrays))
   if ck not in _gather_fns:
-    rep = NamedSharding(mesh, P())
+    rep = mesh_lib.replicated(mesh)
     _gather_fns[ck] = jax.jit(_identity, out_shardings=tuple(rep for _ in arrays)).lower(
         *arrays).compile()
     sync(f"gather/{mesh.size}")  # first all-gather on this mesh: every process compiled it

@@ -23,14 +23,15 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
 
 
 def _row_axis_of(name: str) -> int:
   """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
-  return 1 if name in ("k", "v", "w1", "w3", "w2") else 0
+  return 1 if name in ("k", "v", *tfm.EXPERT_KEYS) else 0
 
 
 def _extract_local(tree, idx_1):
@@ -53,8 +54,8 @@ def _insert_local(tree, rows, idx_1):
 def compile_movers(stepset) -> dict:
   """extract/insert executables for expert slots and for sequence slots on this mesh."""
   mesh = stepset.mesh
-  w = P(mesh_lib.mesh_axis("batch"))
-  idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=NamedSharding(mesh, w))
+  w = mesh_lib.batch_spec(1)  # one mover index per worker
+  idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=mesh_lib.named(mesh, w))
   out = {}
   groups = {
       "experts": stepset.abstract_experts,
@@ -249,7 +250,7 @@ def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, i
   mesh = stepset.mesh
   devs = list(mesh.devices.reshape(-1))
   n = len(devs)
-  wsh = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
+  wsh = mesh_lib.named(mesh, mesh_lib.batch_spec(1))
   rows_abs = stepset[f"rows_{group}"]
   moved_bytes = 0
   for rnd in move_rounds(moves):

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flexfloor_jax import distributed
 from flexfloor_jax import elastic
@@ -38,8 +38,6 @@ from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, ep_moe, resolve_exchange
 from flexfloor_jax.policy.planner import ExpertPlacement
 from flexfloor_jax.sampling import SamplingParams, sample, sample_one, sequence_key
-
-EXPERT_KEYS = ("w1", "w3", "w2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +74,7 @@ class EngineSpec:
 def split_params(params: tfm.Params) -> tuple[tfm.Params, dict]:
   """(non-expert params, expert weights {w1, w3, w2} in canonical [L, E, ...] layout)."""
   layers = dict(params["layers"])
-  experts = {k: layers.pop(k) for k in EXPERT_KEYS}
+  experts = {k: layers.pop(k) for k in tfm.EXPERT_KEYS}
   rest = dict(params)
   rest["layers"] = layers
   return rest, experts
@@ -88,16 +86,13 @@ def merge_params(rest: tfm.Params, experts: dict) -> tfm.Params:
   return out
 
 
-def expert_spec() -> P:
-  return mesh_lib.logical_spec("layer", "expert", None, None)
+def expert_spec() -> PartitionSpec:
+  """PartitionSpec of one expert stack ([L, E, ...] canonical or [L, N*S, ...] slots)."""
+  return mesh_lib.param_spec(*tfm.PARAM_AXES["w1"])
 
 
-def cache_spec() -> P:
+def cache_spec() -> PartitionSpec:
   return mesh_lib.logical_spec("layer", "batch", None, None, None)
-
-
-def batch_spec(ndim: int) -> P:
-  return mesh_lib.logical_spec("batch", *([None] * (ndim - 1)))
 
 
 SLOT_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1")
@@ -262,24 +257,23 @@ class StepSet:
   def __init__(self, spec: EngineSpec, mesh: Mesh, rest_abstract, experts_abstract):
     self.spec, self.mesh = spec, mesh
     n = mesh.size
-    rep = NamedSharding(mesh, P())
-    self.rest_sharding = jax.tree.map(lambda _: rep, rest_abstract)
-    exp_sh = NamedSharding(mesh, expert_spec())
-    self.expert_sharding = {k: exp_sh for k in EXPERT_KEYS}
-    self.cache_sharding = NamedSharding(mesh, cache_spec())
+    self.rest_sharding = mesh_lib.tree_shardings(mesh, tfm.param_specs(rest_abstract))
+    self.expert_sharding = mesh_lib.tree_shardings(mesh, tfm.param_specs(experts_abstract))
+    self.cache_sharding = mesh_lib.named(mesh, cache_spec())
     st_shapes = state_shapes(spec, n)
-    self.state_sharding = {k: NamedSharding(mesh, batch_spec(len(v.shape)))
+    self.state_sharding = {k: mesh_lib.named(mesh, mesh_lib.batch_spec(len(v.shape)))
                            for k, v in st_shapes.items()}
-    self.worker_sharding = NamedSharding(mesh, P(mesh_lib.mesh_axis("batch")))
-    self.host_spec = P(mesh_lib.mesh_axis("batch"), None)
-    self.host_sharding = NamedSharding(mesh, self.host_spec)
+    self.worker_sharding = mesh_lib.named(mesh, mesh_lib.batch_spec(1))
+    self.host_spec = mesh_lib.batch_spec(2)
+    self.host_sharding = mesh_lib.named(mesh, self.host_spec)
     cfg = spec.cfg
     nb, s = n * spec.slots_per_worker, spec.expert_slots
     kv_shape = (cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
     dt = tfm.dtype_of(cfg)
     self.abstract_rest = _abstract(rest_abstract, self.rest_sharding)
     self.abstract_experts = {
-        k: jax.ShapeDtypeStruct((v.shape[0], n * s) + v.shape[2:], v.dtype, sharding=exp_sh)
+        k: jax.ShapeDtypeStruct((v.shape[0], n * s) + v.shape[2:], v.dtype,
+                                sharding=self.expert_sharding[k])
         for k, v in experts_abstract.items()}
     self.abstract_kv = jax.ShapeDtypeStruct(kv_shape, dt, sharding=self.cache_sharding)
     self.abstract_state = _abstract(st_shapes, self.state_sharding)
@@ -293,7 +287,8 @@ class StepSet:
     spec, n = self.spec, self.mesh.size
     in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding),
                 cache_spec(), cache_spec(), self._specs(self.state_sharding), self.host_spec)
-    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P())
+    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding),
+                 mesh_lib.replicated_spec())
     fn = jax.shard_map(functools.partial(_prefill_local, spec, n), mesh=self.mesh,
                        in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return jax.jit(fn, donate_argnums=(2, 3, 4))
@@ -302,7 +297,8 @@ class StepSet:
     spec, n = self.spec, self.mesh.size
     in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding),
                 cache_spec(), cache_spec(), self._specs(self.state_sharding), self.host_spec)
-    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding), P(), P())
+    out_specs = (cache_spec(), cache_spec(), self._specs(self.state_sharding),
+                 mesh_lib.replicated_spec(), mesh_lib.replicated_spec())
     fn = jax.shard_map(functools.partial(_decode_local, spec, n), mesh=self.mesh,
                        in_specs=in_specs, out_specs=out_specs, check_vma=False)
     return jax.jit(fn, donate_argnums=(2, 3, 4))

@@ -1,12 +1,14 @@
 """The `ep` mesh and the one table from logical axis names to mesh axes.
 
 Model code names logical axes ('batch', 'expert', ...) and asks this module for mesh axes; no other
-module spells a physical axis name.
+module spells a physical axis name, nor writes a PartitionSpec: every spec of the package's own
+layouts comes from the helpers here (`logical_spec`, `batch_spec`, `replicated_spec`, and
+`tree_specs` for a params tree from its logical axes, `model.transformer.param_logical_axes`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
@@ -37,6 +39,45 @@ def logical_spec(*logical: Optional[str]) -> P:
   return P(*(None if name is None else mesh_axis(name) for name in logical))
 
 
+def replicated_spec() -> P:
+  """PartitionSpec of an array every worker holds whole."""
+  return P()
+
+
+def is_replicated(spec: P) -> bool:
+  """No dim of `spec` is sharded."""
+  return all(a is None for a in spec)
+
+
+def batch_spec(ndim: int) -> P:
+  """Rows (decode slots, sequences, one row per worker) split over the workers; other dims whole."""
+  return logical_spec("batch", *([None] * (ndim - 1)))
+
+
+def param_spec(*logical: Optional[str]) -> P:
+  """PartitionSpec of a parameter with these logical axes, up to its last sharded dim: P() for a
+  replicated weight, P(None, 'ep') for an [L, E, ...] expert stack (the form checkpoints store)."""
+  spec = list(logical_spec(*logical))
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+def _is_axes(x) -> bool:
+  return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def tree_specs(axes_tree: Any) -> Any:
+  """A tree of logical-axes tuples (one per leaf) -> the same tree of `param_spec`s."""
+  return jax.tree.map(lambda ax: param_spec(*ax), axes_tree, is_leaf=_is_axes)
+
+
+def tree_shardings(mesh: Mesh, spec_tree: Any) -> Any:
+  """A tree of PartitionSpecs -> the same tree of NamedShardings on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree,
+                      is_leaf=lambda x: isinstance(x, P))
+
+
 def make_ep_mesh(devices: Sequence[jax.Device]) -> Mesh:
   """1-D mesh over the active workers, in the given order (the release chain's tail)."""
   return jax.make_mesh((len(devices),), (EP_AXIS,), axis_types=(AxisType.Auto,),
@@ -47,8 +88,12 @@ def sharding(mesh: Mesh, *logical: Optional[str]) -> NamedSharding:
   return NamedSharding(mesh, logical_spec(*logical))
 
 
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+  return NamedSharding(mesh, spec)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, P())
+  return NamedSharding(mesh, replicated_spec())
 
 
 def select_devices(num_devices: int) -> list[jax.Device]:

@@ -11,7 +11,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax import mesh as mesh_lib
@@ -45,8 +44,8 @@ class EPSetup:
     self.mesh = mesh_lib.make_ep_mesh(jax.devices()[:n])
     self.placement = ExpertPlacement.initial(e, list(range(n)), self.slots)
     rest, experts = engine_lib.split_params(params)
-    exp_sh = NamedSharding(self.mesh, P(None, EP))
-    self.rest = jax.device_put(rest, NamedSharding(self.mesh, P()))
+    exp_sh = mesh_lib.named(self.mesh, engine_lib.expert_spec())
+    self.rest = jax.device_put(rest, mesh_lib.tree_shardings(self.mesh, tfm.param_specs(rest)))
     self.experts = engine_lib.slot_layout(experts, self.placement.slot_expert(), exp_sh)
     self.e2s = jnp.asarray(self.placement.expert_to_slot(list(range(n))), jnp.int32)
     self.ep = EPConfig(num_workers=n, slots_per_worker=self.slots, top_k=cfg.top_k,
@@ -58,11 +57,14 @@ class EPSetup:
     return lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, e)
 
   def specs(self):
-    return (jax.tree.map(lambda _: P(), self.rest), {k: P(None, EP) for k in self.experts})
+    """The engine's layout (tfm.param_specs): replicated non-expert params, expert slots over
+    the workers."""
+    return tfm.param_specs(self.rest), tfm.param_specs(self.experts)
 
   def shard(self, x, spec=None):
-    spec = spec if spec is not None else P(EP, *([None] * (np.ndim(x) - 1)))
-    return jax.device_put(x, NamedSharding(self.mesh, spec))
+    """Onto the mesh as `spec` says; by default rows over the workers (mesh_lib.batch_spec)."""
+    spec = spec if spec is not None else mesh_lib.batch_spec(np.ndim(x))
+    return jax.device_put(x, mesh_lib.named(self.mesh, spec))
 
   # -- full-sequence forward (test 1)
   def forward_fn(self):
@@ -74,8 +76,9 @@ class EPSetup:
       return logits, aux["expert_counts"]
 
     rs, es = self.specs()
-    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rs, es, P(EP), P(EP)),
-                       out_specs=(P(EP), P()), check_vma=False)
+    rows, rep = mesh_lib.batch_spec(1), mesh_lib.replicated_spec()  # rows: leading dim, any rank
+    fn = jax.shard_map(local, mesh=self.mesh, in_specs=(rs, es, rows, rows),
+                       out_specs=(rows, rep), check_vma=False)
     return jax.jit(fn)
 
   # -- prefill / decode with logits (test 2)
@@ -85,7 +88,8 @@ class EPSetup:
     decode(cache, tokens [B], positions [B], valid [B]) -> (logits [B, V], cache, counts)."""
     cfg, moe_fn = self.cfg, self.moe_fn()
     rs, es = self.specs()
-    cspec = P(None, EP)
+    cspec = engine_lib.cache_spec()
+    rows, rep = mesh_lib.batch_spec(1), mesh_lib.replicated_spec()  # rows: leading dim, any rank
 
     def pre_local(rest, experts, ck, cv, tokens, lengths):
       params = engine_lib.merge_params(rest, experts)
@@ -101,16 +105,16 @@ class EPSetup:
       return logits, cache.k, cache.v, aux["expert_counts"]
 
     pre = jax.shard_map(pre_local, mesh=self.mesh,
-                        in_specs=(rs, es, cspec, cspec, P(EP), P(EP)),
-                        out_specs=(P(EP), cspec, cspec, P()), check_vma=False)
+                        in_specs=(rs, es, cspec, cspec, rows, rows),
+                        out_specs=(rows, cspec, cspec, rep), check_vma=False)
     dec = jax.shard_map(dec_local, mesh=self.mesh,
-                        in_specs=(rs, es, cspec, cspec, P(EP), P(EP), P(EP)),
-                        out_specs=(P(EP), cspec, cspec, P()), check_vma=False)
+                        in_specs=(rs, es, cspec, cspec, rows, rows, rows),
+                        out_specs=(rows, cspec, cspec, rep), check_vma=False)
     return jax.jit(pre, donate_argnums=(2, 3)), jax.jit(dec, donate_argnums=(2, 3))
 
   def empty_cache(self, slots_per_worker: int, length: int):
     c = tfm.KVCache.zeros(self.cfg, self.n * slots_per_worker, length)
-    return self.shard(c.k, P(None, EP)), self.shard(c.v, P(None, EP))
+    return self.shard(c.k, engine_lib.cache_spec()), self.shard(c.v, engine_lib.cache_spec())
 
 
 # ----------------------------------------------------------------------------- compile counting

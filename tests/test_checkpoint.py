@@ -15,8 +15,8 @@ import hf_utils  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from flexfloor_jax import mesh as mesh_lib  # noqa: E402
 from flexfloor_jax.model import checkpoint as ck  # noqa: E402
 from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
 from flexfloor_jax.model import transformer as tr  # noqa: E402
@@ -275,9 +275,9 @@ ORBAX_CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num
 
 
 def _ep_shardings(params, devices):
-  """Experts sharded over `ep` on the expert axis, everything else replicated."""
-  mesh = Mesh(np.asarray(devices), ("ep",))
-  return jax.tree.map(lambda x: NamedSharding(mesh, P(None, "ep") if x.ndim == 4 else P()), params)
+  """The package's param layout (tr.param_specs): experts sharded over the workers on the
+  expert axis, everything else replicated."""
+  return mesh_lib.tree_shardings(mesh_lib.make_ep_mesh(devices), tr.param_specs(params))
 
 
 def test_orbax_round_trip(tmp_path):

@@ -141,7 +141,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   held = placement.slot_expert()
   released = [0, 1]
   expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
-      eng.experts[k].nbytes // (8 * spec.expert_slots) for k in engine_lib.EXPERT_KEYS)
+      eng.experts[k].nbytes // (8 * spec.expert_slots) for k in tfm.EXPERT_KEYS)
   stats = eng.shrink(chain[2:])
   assert stats["expert_bytes_moved"] == expected > 0
   survivors = {devices[w].id for w in chain[2:]}
@@ -156,7 +156,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   assert sorted(se[se >= 0].tolist()) == list(range(MODEL.num_experts))
   # The moved experts' weights arrived intact: compare slot contents with the canonical weights.
   _, canon = engine_lib.split_params(params)
-  for k in engine_lib.EXPERT_KEYS:
+  for k in tfm.EXPERT_KEYS:
     w = np.asarray(eng.experts[k])
     for pos, row in enumerate(se):
       for s, e in enumerate(row):
@@ -350,15 +350,13 @@ def test_route_rows_moves_blocks_within_the_mesh():
   """The multi-controller transfer (a ppermute over the mesh the rows were extracted on): each
   moved block lands on its destination device unchanged, also with a leading layer axis, and one
   executable serves a repeat of the same moves."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
   from flexfloor_jax import mesh as mesh_lib
   devs = jax.devices()[:6]
   mesh = mesh_lib.make_ep_mesh(devs)
-  ax = mesh.axis_names[0]
   k = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2, 6, 3)  # [L, rows, ...]: row axis 1
   s = np.arange(6 * 4, dtype=np.int32).reshape(6, 4)
-  rows = {"k": jax.device_put(k, NamedSharding(mesh, P(None, ax))),
-          "s": jax.device_put(s, NamedSharding(mesh, P(ax)))}
+  rows = {"k": jax.device_put(k, mesh_lib.sharding(mesh, "layer", "batch", None)),
+          "s": jax.device_put(s, mesh_lib.sharding(mesh, "batch", None))}
   dst_of_src = {0: devs[3], 1: devs[5], 4: devs[0]}
   n_fns = len(elastic._route_fns)
   for _ in range(2):

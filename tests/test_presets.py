@@ -12,9 +12,9 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 from packaging.version import Version
 
+from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tr
 from flexfloor_jax.model.config import PRESETS
 
@@ -39,11 +39,19 @@ def test_full_size_parameter_count(name, expected):
   assert jax.tree.map(lambda a: (a.shape, a.dtype), tr.param_shapes(cfg)) == \
       jax.tree.map(lambda a: (a.shape, a.dtype), abstract)
 
-  # The NNX owner too: nnx.eval_shape builds the module without allocating its params.
-  model = nnx.eval_shape(lambda: tr.Mixtral(cfg, rngs=nnx.Rngs(0)))
-  state = nnx.state(model, nnx.Param)
-  sizes = [math.prod(x.shape) for x in jax.tree.leaves(state)]
-  assert sum(sizes) == n
+  # One logical axis per dim of every leaf; a dim named 'expert' is the experts' count, and the
+  # expert stacks are the only sharded params (on their expert dim).
+  axes = tr.param_logical_axes(abstract)
+  size = {"expert": cfg.num_experts, "layer": cfg.num_layers, "embed": cfg.hidden_size,
+          "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size}
+  for x, ax in zip(leaves, jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, tuple))):
+    assert len(ax) == x.ndim
+    assert all(x.shape[i] == size[a] for i, a in enumerate(ax) if a in size), (x.shape, ax)
+  specs = tr.param_specs(abstract)
+  sharded = {k for k, s in specs["layers"].items() if not mesh_lib.is_replicated(s)}
+  assert sharded == set(tr.EXPERT_KEYS)
+  assert all(specs[k] == mesh_lib.replicated_spec() for k in ("embed", "final_norm", "lm_head"))
+  assert tuple(specs["layers"]["w1"]) == (None, mesh_lib.mesh_axis("expert"))
 
 
 _PROBE = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""Mixtral-architecture MoE transformer (Flax NNX params, pure-function forward passes)."""
+"""Mixtral-architecture MoE transformer (a params pytree, pure-function forward passes)."""
 
 from flexfloor_jax.model.config import ModelConfig, PRESETS
 

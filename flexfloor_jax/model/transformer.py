@@ -1,4 +1,4 @@
-"""Mixtral decoder as pure functions over a params pytree, plus an NNX module that owns the params.
+"""Mixtral decoder as pure functions over a params pytree.
 
 Computes what Hugging Face `MixtralForCausalLM` computes: RMSNorm, rotate-half RoPE, GQA with an
 explicit head_dim and optional sliding window, top-k router with a softmax over the selected
@@ -9,7 +9,8 @@ Params are a nested dict (layers stacked on a leading axis and run with `lax.sca
   layers: attn_norm [L, D]; wq [L, D, H*hd]; wk, wv [L, D, K*hd]; wo [L, H*hd, D]
           mlp_norm [L, D]; router [L, D, E]; w1, w3 [L, E, D, F]; w2 [L, E, F, D]
 Expert weights may instead be in the expert-parallel *slot* layout [L, N*S, ...] (see moe.py);
-the MoE function passed in (`moe_fn`) decides how they are read.
+the MoE function passed in (`moe_fn`) decides how they are read. `PARAM_AXES` names every leaf's
+logical axes (mesh.py maps them to mesh axes: `param_specs`); `EXPERT_KEYS` are the expert stacks.
 
 The forward functions are written for one worker's local batch: under expert parallelism they run
 inside `shard_map` and only `moe_fn` communicates.
@@ -23,8 +24,8 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model.config import ModelConfig
 
 Params = dict[str, Any]
@@ -34,7 +35,49 @@ MoEFn = Callable[[jax.Array, Params, jax.Array], tuple[jax.Array, dict]]
 _NEG_INF = -1e30
 
 
-EXPERT_KEYS = ("w1", "w3", "w2")
+EXPERT_KEYS = ("w1", "w3", "w2")  # the expert stacks of `layers`, in (gate, up, down) order
+
+# Logical axes of every params leaf, by leaf name (the layout above). The router's last dim is
+# every expert's logit, which each worker computes whole: not the sharded 'expert' axis.
+PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layer", "embed"),
+    "wq": ("layer", "embed", "heads"),
+    "wk": ("layer", "embed", "kv_heads"),
+    "wv": ("layer", "embed", "kv_heads"),
+    "wo": ("layer", "heads", "embed"),
+    "mlp_norm": ("layer", "embed"),
+    "router": ("layer", "embed", None),
+    "w1": ("layer", "expert", "embed", "mlp"),
+    "w3": ("layer", "expert", "embed", "mlp"),
+    "w2": ("layer", "expert", "mlp", "embed"),
+}
+
+
+def param_logical_axes(params: Params) -> Params:
+  """The logical axes of each leaf of `params` (or of any part of it: the engine's non-expert
+  params, the expert stacks in canonical or slot layout), as a tree of the same structure.
+  Leaves may be arrays or ShapeDtypeStructs; a leaf this model does not have is an error."""
+
+  def axes(path, leaf):
+    name = getattr(path[-1], "key", None)
+    if name not in PARAM_AXES:
+      raise KeyError(f"no logical axes for param {jax.tree_util.keystr(path)}")
+    ax = PARAM_AXES[name]
+    if len(ax) != len(leaf.shape):
+      raise ValueError(f"param {jax.tree_util.keystr(path)} has shape {leaf.shape}, "
+                       f"logical axes {ax}")
+    return ax
+
+  return jax.tree_util.tree_map_with_path(axes, params)
+
+
+def param_specs(params: Params) -> Params:
+  """PartitionSpecs of `params` (or of any part of it, canonical or slot layout) from their
+  logical axes: expert stacks sharded on their expert axis, everything else replicated."""
+  return mesh_lib.tree_specs(param_logical_axes(params))
 
 
 def scan_layers(fn, carry, layers: Params, *extra_xs):
@@ -111,24 +154,6 @@ def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> Params
 def abstract_params(cfg: ModelConfig) -> Params:
   """Shapes and dtypes of the params without allocating them (works for 8x7b / 8x22b)."""
   return jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
-
-
-class Mixtral(nnx.Module):
-  """NNX owner of the params. `nnx.split` gives (graphdef, state) for jitted pure functions."""
-
-  def __init__(self, cfg: ModelConfig, *, params: Optional[Params] = None,
-               rngs: Optional[nnx.Rngs] = None):
-    self.cfg = cfg
-    if params is None:
-      rngs = rngs or nnx.Rngs(0)
-      params = init_params(cfg, rngs.params())
-    self.params = nnx.data(jax.tree.map(nnx.Param, params))
-
-  def param_dict(self) -> Params:
-    return jax.tree.map(lambda p: p[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Param))
-
-  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-    return forward(self.param_dict(), self.cfg, tokens_BT)[0]
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -22,15 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, ep_moe
 from flexfloor_jax.rl import loss as loss_lib
-
-EXPERT_KEYS = ("w1", "w3", "w2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,21 +55,14 @@ class ActorSpec:
                     backend=impl, interpret=interpret or self.interpret)
 
 
-def param_specs(params):
-  """PartitionSpecs: experts sharded on their expert axis, everything else replicated."""
-  ax = mesh_lib.mesh_axis("expert")
-  out = jax.tree.map(lambda _: P(), params)
-  out["layers"] = {k: (P(None, ax) if k in EXPERT_KEYS else P()) for k in params["layers"]}
-  return out
-
-
 def shard_params(params, mesh):
-  return jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params)))
+  """Experts sharded on their expert axis, everything else replicated (tfm.param_specs)."""
+  return jax.device_put(params, mesh_lib.tree_shardings(mesh, tfm.param_specs(params)))
 
 
 def replicate(params, mesh):
   """Weight sync target: every weight replicated on the mesh (the engine re-lays experts out)."""
-  return jax.device_put(params, NamedSharding(mesh, P()))
+  return jax.device_put(params, mesh_lib.replicated(mesh))
 
 
 def _local_logprobs(spec: ActorSpec, params, tokens_BT, valid_BT, route_BTLK=None):
@@ -94,10 +84,6 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   return np.concatenate([x, np.zeros((rows - len(x),) + x.shape[1:], x.dtype)]) if len(x) < rows else x
 
 
-def batch_spec(ndim):
-  return P(mesh_lib.mesh_axis("batch"), *([None] * (ndim - 1)))
-
-
 class Actor:
   """Compiled log-prob and update steps for one mesh and spec."""
 
@@ -111,10 +97,10 @@ class Actor:
     """The jitted per-micro-batch log-prob program: [N*r, T] rows in, [N*r, T-1] out (`params`:
     any tree of the params' structure)."""
     if self._logprob_fn.get(replay) is None:
-      pspecs = param_specs(params)
-      bs = (batch_spec(2), batch_spec(2)) + ((batch_spec(4),) if replay else ())
+      pspecs = tfm.param_specs(params)
+      bs = (mesh_lib.batch_spec(2), mesh_lib.batch_spec(2)) + ((mesh_lib.batch_spec(4),) if replay else ())
       fn = jax.shard_map(lambda p, *b: _local_logprobs(self.spec, p, *b)[0], mesh=self.mesh,
-                         in_specs=(pspecs, *bs), out_specs=batch_spec(2), check_vma=False)
+                         in_specs=(pspecs, *bs), out_specs=mesh_lib.batch_spec(2), check_vma=False)
       self._logprob_fn[replay] = jax.jit(fn)
     return self._logprob_fn[replay]
 
@@ -134,7 +120,7 @@ class Actor:
 
   def shard_batch(self, x):
     x = jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(self.mesh, batch_spec(x.ndim)))
+    return jax.device_put(x, mesh_lib.named(self.mesh, mesh_lib.batch_spec(x.ndim)))
 
   # -- update
   def update(self, params, opt_state, batch, num_tokens):
@@ -148,8 +134,8 @@ class Actor:
 
   def _build_update(self, params, batch):
     spec, axis = self.spec, mesh_lib.mesh_axis("batch")
-    pspecs = param_specs(params)
-    bspecs = {k: batch_spec(np.ndim(v)) for k, v in batch.items()}
+    pspecs = tfm.param_specs(params)
+    bspecs = {k: mesh_lib.batch_spec(np.ndim(v)) for k, v in batch.items()}
 
     def grads_local(p, b, n):
       def local_loss(p):
@@ -166,15 +152,16 @@ class Actor:
       (loss, m), g = jax.value_and_grad(local_loss, has_aux=True)(p)
       # Replicated weights: each worker's gradient covers its own tokens -> sum. Expert slots:
       # the backward all_to_all already brought every worker's cotangents home.
-      g = jax.tree.map(lambda x, s: jax.lax.psum(x, axis) if s == P() else x, g, pspecs,
-                       is_leaf=lambda x: isinstance(x, P))
+      g = jax.tree.map(lambda x, s: jax.lax.psum(x, axis) if mesh_lib.is_replicated(s) else x,
+                       g, pspecs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
       m = jax.tree.map(lambda x: jax.lax.psum(x, axis), {**m, "loss": loss})
       return g, m
 
-    gfn = jax.shard_map(grads_local, mesh=self.mesh, in_specs=(pspecs, bspecs, P()),
-                        out_specs=(pspecs, P()), check_vma=False)
+    rep = mesh_lib.replicated_spec()
+    gfn = jax.shard_map(grads_local, mesh=self.mesh, in_specs=(pspecs, bspecs, rep),
+                        out_specs=(pspecs, rep), check_vma=False)
     opt = self.optimizer
-    shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), pspecs)
+    shardings = mesh_lib.tree_shardings(self.mesh, pspecs)
 
     def step(p, o, b, n):
       g, m = gfn(p, b, n)

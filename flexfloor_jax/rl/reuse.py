@@ -22,9 +22,10 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.rl import actor as actor_lib
 
 
@@ -51,8 +52,8 @@ class ReleasedScorer:
 
   def _mesh_shardings(self, d, params_abs):
     mesh = Mesh(np.array([d]), (mesh_lib.mesh_axis("expert"),))
-    psh = jax.tree.map(lambda s: NamedSharding(mesh, s), actor_lib.param_specs(params_abs))
-    return mesh, psh, NamedSharding(mesh, actor_lib.batch_spec(2))
+    psh = mesh_lib.tree_shardings(mesh, tfm.param_specs(params_abs))
+    return mesh, psh, mesh_lib.named(mesh, mesh_lib.batch_spec(2))
 
   def _compile(self, d, params_abs):
     mesh, psh, bsh = self._mesh_shardings(d, params_abs)

@@ -249,7 +249,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   ref_params = params if rl.kl_beta > 0 else None
   # Moments follow the params' shardings; scalars (step counts) replicated on the mesh (so a
   # restored state has the same shardings, and the update step compiles once).
-  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rep = mesh_lib.replicated(mesh)
   psh = jax.tree.map(lambda x: x.sharding, params)
   opt_state = optax.tree_map_params(optimizer, lambda x, sh: jax.device_put(x, sh),
                                     optimizer.init(params), psh,
