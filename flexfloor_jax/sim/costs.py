@@ -51,7 +51,7 @@ class RooflineCost:
     T = float(tokens.sum())
     if T <= 0:
       return hw.step_overhead_s
-    hit = 1.0 - (1.0 - m.top_k / m.experts) ** T  # P(an expert gets >= 1 of the T tokens)
+    hit = 1.0 - (1.0 - m.top_k / m.experts) ** T  # the chance an expert gets >= 1 of the T tokens
     bytes_w = m.nonexpert_read_bytes + experts_held * hit * m.expert_bytes \
         + ctx * m.kv_bytes_per_token
     routed = T * m.top_k * experts_held / m.experts  # token copies served by each worker
