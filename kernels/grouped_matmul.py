@@ -30,7 +30,7 @@ from kernels.gmm_mgpu import gmm_mgpu, gmm_mgpu_swapped, mgpu_supported
 from kernels.gmm_tpu import gmm_tpu
 from kernels.gmm_xla import gmm_run_loop, gmm_xla, tgmm_xla
 
-# 256 keeps the per-tile GEMM efficient on XLA:CPU (128-row tiles run ~1.5x slower per flop there)
+# 256 keeps the per-tile GEMM efficient on XLA:CPU (smaller tiles cost more per flop there)
 # while bounding padding waste to < 256 rows per group; see `python -m kernels.bench`.
 DEFAULT_TILE_M = 256
 
