@@ -112,7 +112,7 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
   try:
     while not meta.exists():
       assert proc.poll() is None, "trainer exited before its step-2 checkpoint"
-      assert time.time() - t0 < 240, "no step-2 checkpoint within 240 s"
+      assert time.time() - t0 < 600, "no step-2 checkpoint within 600 s"
       time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
   finally:
