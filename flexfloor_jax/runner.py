@@ -17,10 +17,11 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import (compile_plan, costs, footprint, outputs, plan, planner,
-                                  scheduler)
+from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, scheduler
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import FloorError, release_sizes
+from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary
 from flexfloor_jax.rollout_inputs import (Prompt, RolloutError, build_seqs, check_output_dir,
                                           check_prompts, history_file, load_history, load_prompts,
@@ -60,7 +61,7 @@ class Prepared:
   queues: dict
   policy: Any
   pred_by_seq: dict
-  placement: planner.ExpertPlacement
+  placement: ExpertPlacement
   chain: list[int]  # release order: workers leave from the head
   steps_per_dispatch: int
   flex: bool  # schedule 'flexfloor': the group shrinks as workers finish
@@ -167,12 +168,12 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
   terms = memory.terms_for_config(config, model_cfg, seq_len)
   try:
     floor = terms.floor(e, memory_budget_bytes(config, devices), n)
-  except planner.FloorError as err:
+  except FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
   slots = footprint.preallocated_slots(config.schedule, e, n, floor)
   try:
-    allowed = planner.release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
+    allowed = release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
   except ValueError as err:
     raise RolloutError(f"scheduler.release_sizes: {err}") from None
 
@@ -185,7 +186,7 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
       epoch=r.epoch, sizes=allowed,
       makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
       step_cost=step_cost)
-  placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
+  placement = ExpertPlacement.initial(e, chain, slots, num_workers=n)
   return Prepared(model_cfg=model_cfg, tokenizer=tokenizer, prompts=prompts, seqs=seqs, mode=mode,
                   seq_len=seq_len, history=history, history_path=history_file(config),
                   devices=devices, floor=floor, expert_slots=slots, allowed=allowed,

@@ -5,8 +5,9 @@ import copy
 
 import pytest
 
-from flexfloor_jax.policy import compile_plan, controller, plan, planner, scheduler, stepsim
+from flexfloor_jax.policy import compile_plan, controller, plan, scheduler, stepsim
 from flexfloor_jax.policy import ready_floor, workload
+from flexfloor_jax.policy.placement import ExpertPlacement
 
 N, B, E = 8, 4, 8
 SPEC = workload.WorkloadSpec(num_prompts=8, samples_per_prompt=8, seed=0, cap=256)
@@ -22,7 +23,7 @@ def _setup(history, epoch=0, sizes=None):
 def _plan(history, **kw):
   seqs, queues, policy, pred = _setup(history, **kw)
   cands = [m for m in (kw.get("sizes") or range(1, N)) if m < N]
-  placement = planner.ExpertPlacement.initial(E, list(range(N)), E, num_workers=N)
+  placement = ExpertPlacement.initial(E, list(range(N)), E, num_workers=N)
   return compile_plan.plan_compiles(seqs, queues, policy, pred, num_workers=N, slots_per_worker=B,
                                     steps_per_dispatch=8, candidates=cands, placement=placement,
                                     chain=list(range(N)), has_history=len(history) > 0)

@@ -30,7 +30,7 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
   schedule='flexfloor', placement='static': the baseline's placement unchanged; release alone
     (compaction=False: its ceiling is 1 / (1 - static idle_after_finish_fraction)) or release plus
     compaction of stragglers (compaction=True), never work stealing.
-  `sizes`: the active-group sizes a release may leave (planner.release_sizes); None = all.
+  `sizes`: the active-group sizes a release may leave (floor.release_sizes); None = all.
   `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
   floor). None: with step_cost='measured', the step times measured by earlier runs and kept in
   `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')

@@ -25,7 +25,7 @@ class SimExecutor:
   lengths: seq id -> response length (default: each seq's target_len); clipped to max_new_tokens.
   step_cost(kind, num_active, live_slots) -> seconds per step, for simulated wall time (`clock`).
   migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
-  expert_placement: a planner.ExpertPlacement to report expert moves on shrink.
+  expert_placement: a placement.ExpertPlacement to report expert moves on shrink.
   """
 
   def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,

@@ -21,6 +21,7 @@ import numpy as np
 
 from flexfloor_jax.policy import plan, planner, reuse, scheduler, workload
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import floor_workers, release_sizes as allowed_sizes
 from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
 from flexfloor_jax.sim.presets import Hardware, Model
 from flexfloor_jax.sim.replay import replay
@@ -29,7 +30,7 @@ from flexfloor_jax.sim.replay import replay
 def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
               max_seq_len: int) -> int:
   kv = slots_per_worker * max_seq_len * model.kv_bytes_per_token
-  return planner.floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
+  return floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
                                int(hw.hbm_bytes), ep)
 
 
@@ -163,7 +164,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                                seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
                                cap=int(round(workload.DEFAULT_CAP * length_scale)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
-  sizes = planner.release_sizes(release_sizes, ep, floor)
+  sizes = allowed_sizes(release_sizes, ep, floor)
   last = epochs - 1
   seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
   hist = scheduler.LengthHistory()
