@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, scheduler
+from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, release_sizes
@@ -51,7 +52,7 @@ class Prepared:
   seqs: list[Seq]
   mode: str  # 'model' | 'workload' | a lengths file
   seq_len: int
-  history: scheduler.LengthHistory
+  history: LengthHistory
   history_path: str
   devices: list
   floor: int
@@ -81,7 +82,7 @@ class Built:
 
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
-        write_outputs: bool = True, history: Optional[scheduler.LengthHistory] = None,
+        write_outputs: bool = True, history: Optional[LengthHistory] = None,
         step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
   `on_release(devices, finished)`: called right after each release with the released devices and
@@ -128,7 +129,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
 
 def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
-            history: Optional[scheduler.LengthHistory] = None) -> Prepared:
+            history: Optional[LengthHistory] = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
   from flexfloor_jax import memory
@@ -322,7 +323,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
   m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
   predicted = np.array([prep.pred_by_seq[s.seq_id] for s in seqs])
   actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
-  m["prediction"] = (scheduler.prediction_quality(predicted, actual) if len(prep.history)
+  m["prediction"] = (prediction.prediction_quality(predicted, actual) if len(prep.history)
                      else None)
   t_setup = compiles["t_setup"]
   m.update(schedule=config.schedule, lengths=prep.mode, num_workers=prep.num_workers,

@@ -147,13 +147,13 @@ def run_bench(config, *, progress: bool = True):
   """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
   run record}) (what report.write_outputs() writes)."""
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.policy import scheduler
+  from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.sim import presets, records as sim_records
 
   validate_bench(config)
   pool = engine_lib.StepCachePool(engine_lib)
   hw = presets.HARDWARE[config.roofline_hardware]
-  history = scheduler.LengthHistory()
+  history = LengthHistory()
   names = [n for n, _ in variants(config)]
   epochs, timelines, records = [], {}, {}
   t_all = time.perf_counter()

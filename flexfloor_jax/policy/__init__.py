@@ -3,7 +3,9 @@
 workload    synthetic long-tailed response lengths (+ JSONL of lengths)
 controller  the rollout control loop and the Executor protocol the engine implements
 stepsim     a numpy Executor (step simulator) driven by the same controller
-scheduler   length history, prediction, static and FlexFloor placements
+history     length history: response lengths by prompt and epoch, and its file
+prediction  predicted lengths, length scenarios, prediction quality, from the history
+scheduler   placements: static, balanced, FlexFloor (and the predict -> place pipeline)
 floor       the fewest workers that hold the model, and the group sizes a release may leave
 planner     release/compaction policy: when workers go and which sequences move
 placement   expert placement table (expert -> worker, slot) and how a release changes it

@@ -18,12 +18,12 @@ from flexfloor_jax.policy.atomic import atomic_open
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.jsonl import iter_jsonl
 
-# Defaults: the rollout shape of configs/mixtral.py tiny (8 workers x 4 slots, 8 prompts x 8 samples,
-# max_new_tokens 256 = cap). cap = 4 x median, so only the far tail is capped. The noise levels are
-# small enough that a prompt's history predicts its samples and large enough that the samples of one
-# group differ as in GRPO. DEFAULT_SIGMA is the sigma `calibrate_sigma()` picks for these defaults
-# (static baseline on the step simulator, epochs 0-7, seed 0), so that the synthetic static rollout
-# wastes the share of device time the paper reports for verl (IDLE_TARGET);
+# Defaults: the rollout shape of configs/mixtral.py tiny (8 workers x 4 slots, 8 prompts x 8
+# samples, max_new_tokens 256 = cap). cap = 4 x median, so only the far tail is capped. The noise
+# levels are small enough that a prompt's history predicts its samples and large enough that the
+# samples of one group differ as in GRPO. DEFAULT_SIGMA is the sigma `calibrate_sigma()` picks for
+# these defaults (static baseline on the step simulator, epochs 0-7, seed 0), so that the synthetic
+# static rollout wastes the share of device time the paper reports for verl (IDLE_TARGET);
 # tests/test_policy_workload.py checks that it still does.
 DEFAULT_NUM_PROMPTS = 8
 DEFAULT_SAMPLES_PER_PROMPT = 8
