@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from flexfloor_jax.policy import footprint, planner
+from flexfloor_jax.policy import footprint
+from flexfloor_jax.policy.floor import FloorError, floor_workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class FloorTerms:
     return self.resident(expert_slots) + self.workspace
 
   def floor(self, num_experts: int, device_memory_bytes: int, max_workers: int) -> int:
-    return planner.floor_workers(num_experts, self.expert, self.nonexpert, self.kv,
+    return floor_workers(num_experts, self.expert, self.nonexpert, self.kv,
                                  device_memory_bytes, max_workers, workspace_bytes=self.workspace)
 
 
@@ -108,7 +109,7 @@ def main(argv=None):
   print(f"  workspace    {t.workspace / gib:9.3f} GiB  (2 expert slots + 2 sequence rows in flight)")
   try:
     floor = t.floor(e, int(mem * gib), n)
-  except planner.FloorError as err:
+  except FloorError as err:
     print(f"  no floor: {err}")
     return
   slots = footprint.expert_slots(e, floor)

@@ -38,7 +38,7 @@ def main(argv):
   from flexfloor_jax import engine, mesh as mesh_lib
   from flexfloor_jax.model.moe import EPConfig, ep_moe
   from flexfloor_jax.policy import footprint
-  from flexfloor_jax.policy.planner import ExpertPlacement
+  from flexfloor_jax.policy.placement import ExpertPlacement
 
   n, t, d, f, e, k = (_DEVICES.value, _TOKENS.value, _HIDDEN.value, _FFN.value, _EXPERTS.value,
                       _TOPK.value)

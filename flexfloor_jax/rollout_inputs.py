@@ -9,7 +9,8 @@ import dataclasses
 import os
 from typing import Optional
 
-from flexfloor_jax.policy import costs, outputs, plan, scheduler, workload
+from flexfloor_jax.policy import costs, outputs, plan, workload
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.jsonl import iter_jsonl
 
@@ -132,16 +133,16 @@ def history_file(config) -> str:
   return config.scheduler.history_path or os.path.join(config.rollout.output_dir, "history.json")
 
 
-def load_history(config, model_cfg) -> scheduler.LengthHistory:
+def load_history(config, model_cfg) -> LengthHistory:
   """The length history for this run, checked: lengths in [1, rollout.max_new_tokens], recorded
   for this model (another model's history: a warning and an empty one). The rollout CLI calls it
   before jax starts, `run` when not handed one: the same checks either way."""
   from flexfloor_jax.model.config import model_identity
   try:
-    return scheduler.LengthHistory.load(history_file(config),
+    return LengthHistory.load(history_file(config),
                                         max_new_tokens=config.rollout.max_new_tokens,
                                         model=model_identity(model_cfg))
-  except scheduler.HistoryError as e:
+  except HistoryError as e:
     raise RolloutError(f"scheduler.history_path: {e}") from None
 
 

@@ -7,7 +7,8 @@ import json
 import math
 import os
 
-from flexfloor_jax.policy import accounting, outputs, scheduler
+from flexfloor_jax.policy import accounting, outputs
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.rollout_inputs import RolloutError
 
@@ -38,7 +39,7 @@ ROLLOUT_OUTPUTS = ("responses.jsonl", "summary.json", "timeline.png", "history.j
 
 
 def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, title: str,
-                    history: scheduler.LengthHistory, history_path: str) -> str:
+                    history: LengthHistory, history_path: str) -> str:
   """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
   timeline.png and, when it lives in `out`, history.json, published as one set; returns the
   set's directory. Raises outputs.OutputWriteError naming the file. A history file elsewhere

@@ -17,10 +17,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import (compile_plan, costs, footprint, outputs, plan, planner,
-                                  scheduler)
+from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import FloorError, release_sizes
+from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary
 from flexfloor_jax.rollout_inputs import (Prompt, RolloutError, build_seqs, check_output_dir,
                                           check_prompts, history_file, load_history, load_prompts,
@@ -50,7 +52,7 @@ class Prepared:
   seqs: list[Seq]
   mode: str  # 'model' | 'workload' | a lengths file
   seq_len: int
-  history: scheduler.LengthHistory
+  history: LengthHistory
   history_path: str
   devices: list
   floor: int
@@ -60,7 +62,7 @@ class Prepared:
   queues: dict
   policy: Any
   pred_by_seq: dict
-  placement: planner.ExpertPlacement
+  placement: ExpertPlacement
   chain: list[int]  # release order: workers leave from the head
   steps_per_dispatch: int
   flex: bool  # schedule 'flexfloor': the group shrinks as workers finish
@@ -80,7 +82,7 @@ class Built:
 
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
-        write_outputs: bool = True, history: Optional[scheduler.LengthHistory] = None,
+        write_outputs: bool = True, history: Optional[LengthHistory] = None,
         step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
   `on_release(devices, finished)`: called right after each release with the released devices and
@@ -127,7 +129,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
 
 def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
-            history: Optional[scheduler.LengthHistory] = None) -> Prepared:
+            history: Optional[LengthHistory] = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
   from flexfloor_jax import memory
@@ -167,12 +169,12 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
   terms = memory.terms_for_config(config, model_cfg, seq_len)
   try:
     floor = terms.floor(e, memory_budget_bytes(config, devices), n)
-  except planner.FloorError as err:
+  except FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
   slots = footprint.preallocated_slots(config.schedule, e, n, floor)
   try:
-    allowed = planner.release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
+    allowed = release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
   except ValueError as err:
     raise RolloutError(f"scheduler.release_sizes: {err}") from None
 
@@ -185,7 +187,7 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
       epoch=r.epoch, sizes=allowed,
       makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
       step_cost=step_cost)
-  placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=n)
+  placement = ExpertPlacement.initial(e, chain, slots, num_workers=n)
   return Prepared(model_cfg=model_cfg, tokenizer=tokenizer, prompts=prompts, seqs=seqs, mode=mode,
                   seq_len=seq_len, history=history, history_path=history_file(config),
                   devices=devices, floor=floor, expert_slots=slots, allowed=allowed,
@@ -321,7 +323,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
   m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
   predicted = np.array([prep.pred_by_seq[s.seq_id] for s in seqs])
   actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
-  m["prediction"] = (scheduler.prediction_quality(predicted, actual) if len(prep.history)
+  m["prediction"] = (prediction.prediction_quality(predicted, actual) if len(prep.history)
                      else None)
   t_setup = compiles["t_setup"]
   m.update(schedule=config.schedule, lengths=prep.mode, num_workers=prep.num_workers,

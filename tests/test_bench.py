@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax import bench
+from flexfloor_jax.bench import report, runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finish_fraction",
@@ -18,7 +18,7 @@ TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finis
 
 
 def small_config(tmp_path):
-  c = bench.get_bench_config()
+  c = runs.get_bench_config()
   c.epochs = 2
   c.rollout.num_prompts = 4  # 16 sequences instead of 64; compiled shapes unchanged
   c.rollout.samples_per_prompt = 4
@@ -28,7 +28,7 @@ def small_config(tmp_path):
 
 def test_config_keeps_mixtral_defaults():
   from configs import mixtral
-  m, b = mixtral.get_config(), bench.get_bench_config()
+  m, b = mixtral.get_config(), runs.get_bench_config()
   for sec in ("model", "mesh", "rollout", "sampling"):
     for k, v in m[sec].items():
       if (sec, k) not in (("rollout", "wait_compiles"), ("rollout", "output_dir")):
@@ -41,8 +41,8 @@ def test_config_keeps_mixtral_defaults():
 def small_bench(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("bench")
   c = small_config(tmp)
-  doc, timelines, records = bench.run_bench(c, progress=False)
-  bench.write_outputs(doc, timelines, records, c.output_dir)
+  doc, timelines, records = runs.run_bench(c, progress=False)
+  report.write_outputs(doc, timelines, records, c.output_dir)
   return c, pathlib.Path(c.output_dir)
 
 
@@ -91,7 +91,7 @@ def test_bench_outputs(small_bench):
                                                    "latest", "runs"]
   assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
   doc = json.loads((out / "bench.json").read_text())
-  table = bench.format_table(doc)
+  table = report.format_table(doc)
   assert "paper 1.654" in table and "release_only/static" in table
   assert "release_compaction/static" in table
   assert len([ln for ln in table.splitlines() if ln.split()[1:2] == ["flexfloor/static"]]) == 2
@@ -149,8 +149,8 @@ def test_cli_prints_the_table(tmp_path):
 
 
 def test_sequences_from_a_checkpoint(tmp_path):
-  """The bench reads a Hugging Face checkpoint's shapes (it once called a runner function that no
-  longer existed, so `--config.model.checkpoint` crashed); a missing one names the field."""
+  """The bench reads a Hugging Face checkpoint's shapes, so `--config.model.checkpoint` runs; a
+  missing one names the field."""
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   import hf_utils
@@ -165,10 +165,10 @@ def test_sequences_from_a_checkpoint(tmp_path):
       toks = rng.integers(3, hf.config.vocab_size, 5 + i).tolist()
       f.write(json.dumps({"id": f"p{i}", "tokens": toks}) + "\n")
   c.rollout.prompts = str(tmp_path / "prompts.jsonl")
-  seqs, model_cfg = bench._seqs_for(c)
+  seqs, model_cfg = runs.seqs_for(c)
   assert (model_cfg.hidden_size, model_cfg.num_experts, model_cfg.num_layers) == (
       hf.config.hidden_size, hf.config.num_local_experts, hf.config.num_hidden_layers)
   assert len(seqs) == c.rollout.num_prompts * c.rollout.samples_per_prompt
   c.model.checkpoint = str(tmp_path / "missing")
   with pytest.raises(runner.RolloutError, match="model.checkpoint"):
-    bench._seqs_for(c)
+    runs.seqs_for(c)

@@ -5,8 +5,10 @@ import copy
 
 import pytest
 
-from flexfloor_jax.policy import compile_plan, controller, plan, planner, scheduler, stepsim
+from flexfloor_jax.policy import compile_plan, controller, plan, stepsim
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy import ready_floor, workload
+from flexfloor_jax.policy.placement import ExpertPlacement
 
 N, B, E = 8, 4, 8
 SPEC = workload.WorkloadSpec(num_prompts=8, samples_per_prompt=8, seed=0, cap=256)
@@ -22,14 +24,14 @@ def _setup(history, epoch=0, sizes=None):
 def _plan(history, **kw):
   seqs, queues, policy, pred = _setup(history, **kw)
   cands = [m for m in (kw.get("sizes") or range(1, N)) if m < N]
-  placement = planner.ExpertPlacement.initial(E, list(range(N)), E, num_workers=N)
+  placement = ExpertPlacement.initial(E, list(range(N)), E, num_workers=N)
   return compile_plan.plan_compiles(seqs, queues, policy, pred, num_workers=N, slots_per_worker=B,
                                     steps_per_dispatch=8, candidates=cands, placement=placement,
                                     chain=list(range(N)), has_history=len(history) > 0)
 
 
 def test_no_history_expects_every_size_with_movers_along_the_path():
-  p = _plan(scheduler.LengthHistory())
+  p = _plan(LengthHistory())
   assert p.source == "no_history" and p.predicted_releases == []
   assert p.order == p.expected == [7, 6, 5, 4, 3, 2, 1]
   # 8 -> 7 sends worker 0's one expert to worker 1; 7 -> 6 sends worker 1's two to 2 and 3
@@ -40,7 +42,7 @@ def test_no_history_expects_every_size_with_movers_along_the_path():
 
 
 def test_with_history_the_sizes_the_replay_reaches_compile_first():
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   seqs = workload.make_seqs(SPEC, 0)
   hist.add_rollout(0, seqs, {s.seq_id: s.target_len for s in seqs})
   p = _plan(hist, epoch=1)
@@ -66,7 +68,7 @@ class _Compiled:
 
 @pytest.mark.parametrize("ready", [(7, 6, 5), (7, 6, 5, 4, 3, 2, 1)])
 def test_releases_held_for_compile_are_counted(ready):
-  seqs, queues, policy, _ = _setup(scheduler.LengthHistory())
+  seqs, queues, policy, _ = _setup(LengthHistory())
   free = controller.run(seqs, queues, stepsim.SimExecutor(seqs, N, B), copy.deepcopy(policy),
                         steps_per_dispatch=8)
   held = ready_floor.ReadyFloor(copy.deepcopy(policy), _Compiled(ready), N, range(7, 0, -1))

@@ -15,6 +15,7 @@ import pytest
 from engine_utils import TINY, CompileCounter, make_params
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.policy import controller, planner, scheduler
+from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.sampling import SamplingParams, prompt_hash
 
 SLOTS = 4  # decode slots per worker
@@ -85,7 +86,7 @@ class Recorder:
 
 def make_engine(params, step_cache, n: int, inputs):
   active = CHAIN[len(CHAIN) - n:]  # StepCache meshes are tails of the chain
-  placement = planner.ExpertPlacement.initial(TINY.num_experts, active, SPEC.expert_slots,
+  placement = ExpertPlacement.initial(TINY.num_experts, active, SPEC.expert_slots,
                                               num_workers=len(CHAIN))
   eng = engine_lib.Engine(SPEC, params, jax.devices(), active, placement, seed=7, epoch=2,
                           step_cache=step_cache)

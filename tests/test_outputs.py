@@ -35,7 +35,7 @@ from flexfloor_jax import rollout_outputs, runner  # noqa: E402
 from flexfloor_jax.cli import prepare_rollout  # noqa: E402
 from flexfloor_jax.policy import outputs  # noqa: E402
 from flexfloor_jax.policy.atomic import atomic_write  # noqa: E402
-from flexfloor_jax.policy.scheduler import LengthHistory  # noqa: E402
+from flexfloor_jax.policy.history import LengthHistory  # noqa: E402
 
 
 def _config(out):

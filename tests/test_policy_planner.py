@@ -5,8 +5,9 @@ import pytest
 
 from flexfloor_jax.policy import planner, scheduler, stepsim
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.planner import (ExpertPlacement, FloorError, ReleasePolicy, floor_workers,
-                                          release_sizes)
+from flexfloor_jax.policy.floor import FloorError, floor_workers, release_sizes
+from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.policy.planner import ReleasePolicy
 
 
 def mkseqs(lengths, max_new=256):

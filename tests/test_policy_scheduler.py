@@ -10,9 +10,10 @@ import textwrap
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import planner, scheduler, stepsim, workload
+from flexfloor_jax.policy import planner, prediction, scheduler, stepsim, workload
+from flexfloor_jax.policy.history import HISTORY_FORMAT, HISTORY_VERSION
 from flexfloor_jax.policy.controller import run
-from flexfloor_jax.policy.scheduler import HistoryError, LengthHistory
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +38,7 @@ def test_history_roundtrip(tmp_path):
   h2 = LengthHistory.load(p)
   assert h2.data == {'a': {0: [3, 4], 2: [5]}, 'b': {1: [7]}}
   doc = json.load(open(p))
-  assert doc['format'] == scheduler.HISTORY_FORMAT and doc['version'] == scheduler.HISTORY_VERSION
+  assert doc['format'] == HISTORY_FORMAT and doc['version'] == HISTORY_VERSION
   assert os.listdir(tmp_path) == ['h.json']
 
 
@@ -67,7 +68,7 @@ def test_history_save_is_crash_safe(tmp_path):
   child = textwrap.dedent(f'''
       import os, sys, time
       sys.path.insert(0, {ROOT!r})
-      from flexfloor_jax.policy.scheduler import LengthHistory
+      from flexfloor_jax.policy.history import LengthHistory
       def slow_fsync(fd):
         print('writing', flush=True)
         time.sleep(60)
@@ -94,10 +95,10 @@ def test_history_save_is_crash_safe(tmp_path):
 def test_prediction_quality_by_hand():
   # ranks: pred [1, 2.5, 2.5, 4], actual [1, 3, 2, 4]; centred: [-1.5, 0, 0, 1.5] and
   # [-1.5, .5, -.5, 1.5]; spearman = 4.5 / sqrt(4.5 * 5)
-  q = scheduler.prediction_quality([1, 2, 2, 3], [1, 3, 2, 4])
+  q = prediction.prediction_quality([1, 2, 2, 3], [1, 3, 2, 4])
   assert q['spearman'] == pytest.approx(4.5 / np.sqrt(22.5))
   assert q['mae'] == pytest.approx(0.5)
-  assert scheduler.prediction_quality([5, 5, 5], [1, 2, 3])['spearman'] == 0.0
+  assert prediction.prediction_quality([5, 5, 5], [1, 2, 3])['spearman'] == 0.0
 
 
 def test_prediction_converges_on_default_workload():
@@ -107,7 +108,7 @@ def test_prediction_converges_on_default_workload():
   for e in range(4):
     seqs = workload.make_seqs(spec, e)
     actual = [s.target_len for s in seqs]
-    sp.append(scheduler.prediction_quality(scheduler.predict(h, seqs), actual)['spearman'])
+    sp.append(prediction.prediction_quality(prediction.predict(h, seqs), actual)['spearman'])
     h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
   assert sp[0] == 0.0  # no history: one prior for everybody
   assert sp[3] >= 0.8, sp
@@ -117,11 +118,11 @@ def test_predict_unseen_prompt_uses_prior():
   h = LengthHistory()
   h.add('seen', 0, [10, 20, 30, 40])
   seqs = [workload.Seq(0, 'seen', 0, 4, None, 100), workload.Seq(1, 'new', 0, 4, None, 100)]
-  p = scheduler.predict(h, seqs)
+  p = prediction.predict(h, seqs)
   assert p[0] == pytest.approx(np.quantile([10, 20, 30, 40], 0.75))
   assert p[1] == pytest.approx(25.0)  # global median
-  assert scheduler.predict(h, seqs, prior=7.0)[1] == 7.0
-  assert scheduler.predict(LengthHistory(), seqs)[0] == 50.0  # nothing known: half the cap
+  assert prediction.predict(h, seqs, prior=7.0)[1] == 7.0
+  assert prediction.predict(LengthHistory(), seqs)[0] == 50.0  # nothing known: half the cap
 
 
 @pytest.mark.parametrize('epoch', [1, 3])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from flexfloor_jax.policy import accounting, costs, plan, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.controller import Seq
 
 
@@ -93,25 +94,25 @@ def test_measured_cost_interpolates_and_rejects_bad_tables():
 
 
 def test_history_keeps_step_seconds(tmp_path):
-  h = scheduler.LengthHistory()
+  h = LengthHistory()
   h.add("p", 0, [3, 4])
   h.add_step_seconds({8: 0.02, 4: 0.01})
   h.add_step_seconds({4: 0.012})  # newer measurement of a size replaces the older
   path = str(tmp_path / "h.json")
   h.save(path)
-  back = scheduler.LengthHistory.load(path)
+  back = LengthHistory.load(path)
   assert back.step_seconds == {8: 0.02, 4: 0.012} and back.data == h.data
   _, pol, _ = plan.plan_rollout(seqs_of([5, 6, 7, 8]), back, "flexfloor", 2, 2, 1)
   assert isinstance(pol.cost, costs.MeasuredStepCost) and pol.cost.table == {4: 0.012, 8: 0.02}
   doc = json.load(open(path))
   doc["step_seconds"] = {"8": -1}
   (tmp_path / "bad.json").write_text(json.dumps(doc))
-  with pytest.raises(scheduler.HistoryError, match="step_seconds"):
-    scheduler.LengthHistory.load(str(tmp_path / "bad.json"))
+  with pytest.raises(HistoryError, match="step_seconds"):
+    LengthHistory.load(str(tmp_path / "bad.json"))
 
 
 def test_flexfloor_with_balanced_placement_releases_on_balanced_queues():
-  h = scheduler.LengthHistory()
+  h = LengthHistory()
   for i, n in enumerate([9, 2, 7, 3, 8, 1, 6, 4]):
     h.add(f"p{i}", 0, [n])
   s = [Seq(i, f"p{i}", 0, 4, None, 64) for i in range(8)]
@@ -127,7 +128,7 @@ def test_flexfloor_with_balanced_placement_releases_on_balanced_queues():
 
 
 def test_step_cost_setting_picks_the_cost_model():
-  h = scheduler.LengthHistory()
+  h = LengthHistory()
   h.add("p", 0, [3, 4])
   h.add_step_seconds({8: 0.02, 4: 0.01})
   s = seqs_of([5, 6, 7, 8])
@@ -160,7 +161,7 @@ def test_flexfloor_within_slack_of_balanced_on_default_workload(epoch):
   slack (plus the prediction error the scenarios allow) of the balanced schedule's, and it
   uses fewer device-steps than balanced."""
   spec, N, B = workload.WorkloadSpec(), 8, 4
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   for e in range(epoch):
     prev = workload.make_seqs(spec, e)
     hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})

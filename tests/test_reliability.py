@@ -31,7 +31,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from rl_utils import ROOT, grpo_config  # noqa: E402
 
-from flexfloor_jax.policy.scheduler import HistoryError, LengthHistory  # noqa: E402
+from flexfloor_jax.policy.history import HistoryError, LengthHistory  # noqa: E402
 
 # ----------------------------------------------------------------------------- 4. checkpoints
 

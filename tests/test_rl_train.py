@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from flexfloor_jax.policy import scheduler
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import train
 
@@ -56,7 +56,7 @@ def test_metrics_files_and_names(straight):
     assert r["rollout/logprob_max_abs_diff"] <= 1e-4  # rollout vs training forward (replayed)
   assert os.path.getsize(out / "metrics.png") > 0
   assert ckpts.latest_checkpoint(grpo_config(out))[0] == 3
-  h = scheduler.LengthHistory.load(str(out / "history.json"))
+  h = LengthHistory.load(str(out / "history.json"))
   assert len(h) == 4 and all(sorted(h.epochs(p)) == [0, 1, 2] for p in h.data)
   # an update happened: the policy moved away from the reference (KL) and gradients are finite
   assert rows[-1]["actor/kl"] > 0 and all(r["actor/grad_norm"] > 0 for r in rows)
@@ -119,11 +119,11 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
     proc.wait()
   assert proc.returncode == -signal.SIGKILL
   # A newer history file than the checkpoint's (as a later step would write): must lose.
-  hist = scheduler.LengthHistory.load(str(tmp_path / "history.json"))
+  hist = LengthHistory.load(str(tmp_path / "history.json"))
   for p in list(hist.data):
     hist.add(p, 99, [1, 1])
   hist.save(str(tmp_path / "history.json"))
   rows = train.train(cfg)
   assert _det(rows) == _det(full)
-  h = scheduler.LengthHistory.load(str(tmp_path / "history.json"))
+  h = LengthHistory.load(str(tmp_path / "history.json"))
   assert all(99 not in h.epochs(p) for p in h.data)

@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import plan, planner, scheduler, stepsim, workload
+from flexfloor_jax.policy import plan, planner, stepsim, workload
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.sim import cluster, costs, presets, records, replay
 
@@ -58,7 +59,7 @@ def test_bad_cli_input_is_one_line(tmp_path):
 
 
 def _history(spec, epochs):
-  h = scheduler.LengthHistory()
+  h = LengthHistory()
   for e in range(epochs):
     seqs = workload.make_seqs(spec, e)
     h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
@@ -122,7 +123,7 @@ def test_floor_per_hardware():
 
 
 def _history_of(seqs, epochs=2):
-  h = scheduler.LengthHistory()
+  h = LengthHistory()
   for e in range(epochs):
     h.add_rollout(e, seqs, {s.seq_id: s.target_len for s in seqs})
   return h
@@ -187,10 +188,10 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
   c = bench.run_config(bench.get_bench_config(), dict(schedule=schedule, placement="auto"), 0)
   c.sampling.seed = seed  # also the workload seed: another workload
   c.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   seqs, model_cfg = bench._seqs_for(c)
   with pool.installed():
-    res = runner.run(c, write_outputs=False, history=scheduler.LengthHistory(), progress=False)
+    res = runner.run(c, write_outputs=False, history=LengthHistory(), progress=False)
   s = res.summary
   return records.make_run_record(
       name=f"{schedule}_seed{seed}", epoch=0, seqs=seqs,

@@ -3,8 +3,12 @@
 workload    synthetic long-tailed response lengths (+ JSONL of lengths)
 controller  the rollout control loop and the Executor protocol the engine implements
 stepsim     a numpy Executor (step simulator) driven by the same controller
-scheduler   length history, prediction, static and FlexFloor placements
-planner     floor, release/compaction policy, expert placement table
+history     length history: response lengths by prompt and epoch, and its file
+prediction  predicted lengths, length scenarios, prediction quality, from the history
+scheduler   placements: static, balanced, FlexFloor (and the predict -> place pipeline)
+floor       the fewest workers that hold the model, and the group sizes a release may leave
+planner     release/compaction policy: when workers go and which sequences move
+placement   expert placement table (expert -> worker, slot) and how a release changes it
 footprint   parameter counts and expert slots from a model's dimensions
 compile_plan  which mesh sizes (and which devices' movers) compile first: the plan's replay
 accounting  timeline of a rollout -> the metrics of summary.json, timeline plot

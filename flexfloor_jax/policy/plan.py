@@ -3,14 +3,15 @@ rollouts) and the simulator (replays) both call, so what is simulated is what ru
 
 from __future__ import annotations
 
-from flexfloor_jax.policy import costs, planner, scheduler
+from flexfloor_jax.policy import costs, planner, prediction, scheduler
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.controller import Seq
 
 SCHEDULES = ("static", "balanced", "flexfloor")
 PLACEMENTS = ("auto", "static", "balanced")
 
 
-def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: str,
+def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                  num_workers: int, slots_per_worker: int, floor: int, *,
                  steps_per_dispatch: int = 8, placement: str = "auto", compaction: bool = True,
                  epoch: int = 0, sizes: tuple[int, ...] | None = None,
@@ -30,7 +31,7 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
   schedule='flexfloor', placement='static': the baseline's placement unchanged; release alone
     (compaction=False: its ceiling is 1 / (1 - static idle_after_finish_fraction)) or release plus
     compaction of stragglers (compaction=True), never work stealing.
-  `sizes`: the active-group sizes a release may leave (planner.release_sizes); None = all.
+  `sizes`: the active-group sizes a release may leave (floor.release_sizes); None = all.
   `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
   floor). None: with step_cost='measured', the step times measured by earlier runs and kept in
   `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
@@ -56,10 +57,10 @@ def plan_rollout(seqs: list[Seq], history: scheduler.LengthHistory, schedule: st
                                    predicted_makespan_steps=info["balanced_predicted_makespan"],
                                    **timed)
     return queues, policy, pred
-  predicted = scheduler.predict(history, seqs)
+  predicted = prediction.predict(history, seqs)
   pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
   if schedule == "balanced" or flex and placement == "balanced":
-    q90 = scheduler.predict(history, seqs, quantile=0.9)
+    q90 = prediction.predict(history, seqs, quantile=0.9)
     queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker)
   if flex and placement == "balanced":
     by_id = dict(zip((s.seq_id for s in seqs), q90))

@@ -1,4 +1,4 @@
-"""Release planning: the floor, the release/compaction policy, and the expert placement table.
+"""The release policy: when to release workers, and which sequences to move so that they can go.
 
 Chain rule. Executables are compiled ahead of time for the tails of one release chain fixed at
 rollout start (chain[0] is released first), so the active set is always chain[i:]. Only the head of
@@ -36,64 +36,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexfloor_jax.policy import footprint
 from flexfloor_jax.policy.controller import Plan, Seq, State
-
-
-class FloorError(ValueError):
-  pass
-
-
-def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
-                  kv_bytes_per_worker: int, device_memory_bytes: int, max_workers: int,
-                  workspace_bytes: int = 0) -> int:
-  """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV + workspace fit on each
-  device (`workspace_bytes`: what a release or migration holds in flight on one device)."""
-  def need(n):
-    return (nonexpert_bytes + footprint.expert_slots(num_experts, n) * expert_bytes
-            + kv_bytes_per_worker + workspace_bytes)
-  for n in range(1, max_workers + 1):
-    if need(n) <= device_memory_bytes:
-      return n
-  gib = 2.0**30
-  raise FloorError(
-      f'model does not fit on {max_workers} workers: each needs {need(max_workers) / gib:.2f} GiB '
-      f'(non-expert {nonexpert_bytes / gib:.2f} + '
-      f'{footprint.expert_slots(num_experts, max_workers)} of '
-      f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f} + '
-      f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
-
-
-def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | None:
-  """Allowed active-group sizes from `scheduler.release_sizes`: '' = every size (None), 'pow2' =
-  powers of two, or a comma list; the full group and the floor are always allowed, sizes outside
-  [floor, num_workers] are dropped. Raises ValueError naming the bad entry."""
-  text = str(text).strip()
-  if not text:
-    return None
-  if text == 'pow2':
-    picked = {1 << i for i in range(num_workers.bit_length())}
-  else:
-    picked = set()
-    for part in text.split(','):
-      try:
-        m = int(part)
-      except ValueError:
-        raise ValueError(f"{part.strip()!r} is not 'pow2' or a comma list of sizes") from None
-      if m < 1:
-        raise ValueError(f'sizes must be >= 1, got {m}')
-      picked.add(m)
-  return tuple(sorted({m for m in picked if floor <= m <= num_workers} | {floor, num_workers},
-                      reverse=True))
+# ExpertPlacement lives in policy/placement; kept importable here for callers not yet switched
+from flexfloor_jax.policy.placement import ExpertPlacement  # noqa: F401
 
 
 def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> float:
   """Device-step equivalents of moving one KV byte: transfer time over one step's time."""
   return 1.0 / (link_bytes_per_s * step_seconds)
 
-
-# ---------------------------------------------------------------------------------------------
-# Release policy
 
 def list_schedule_finish(busy: list[float], queue: list[float], slots: int) -> float:
   """Finish time of a worker: live remaining tokens `busy`, then `queue` FIFO onto free slots."""
@@ -429,83 +380,3 @@ class ReleasePolicy:
       queue[w].append(q)
     live[h], queue[h] = [], []
     return [(a, b, c, d, q) for a, b, c, d, q, _ in moves], qmoves
-
-
-# ---------------------------------------------------------------------------------------------
-# Expert placement
-
-@dataclass
-class ExpertPlacement:
-  """expert -> list of (worker, slot) replicas over N workers x S preallocated slots each.
-
-  Replica 0 is the one tokens are routed to; with one replica per expert (today) the arrays below
-  mean exactly "where the expert lives". More replicas can be appended to a list later without
-  changing `slot_expert` / `expert_to_slot`.
-  """
-  num_workers: int
-  slots: int
-  replicas: list[list[tuple[int, int]]]
-
-  @property
-  def num_experts(self) -> int:
-    return len(self.replicas)
-
-  @classmethod
-  def initial(cls, num_experts: int, workers: list[int], slots: int,
-              num_workers: int | None = None) -> 'ExpertPlacement':
-    """Contiguous blocks of ceil(E/n) experts per worker, in the order of `workers`."""
-    n = len(workers)
-    per = footprint.expert_slots(num_experts, n)
-    if per > slots:
-      raise FloorError(f'{num_experts} experts need {per} slots on each of {n} workers; '
-                       f'only {slots} are preallocated')
-    reps = [[(int(workers[e // per]), e % per)] for e in range(num_experts)]
-    return cls(num_workers=num_workers or (max(workers) + 1), slots=slots, replicas=reps)
-
-  def workers_of(self, e: int) -> list[int]:
-    return [w for w, _ in self.replicas[e]]
-
-  def slot_expert(self) -> np.ndarray:
-    """[N, S] expert id held in each slot, -1 = empty."""
-    t = np.full((self.num_workers, self.slots), -1, np.int64)
-    for e, reps in enumerate(self.replicas):
-      for w, s in reps:
-        t[w, s] = e
-    return t
-
-  def expert_to_slot(self, active: list[int]) -> np.ndarray:
-    """[E] global slot id (position of worker in `active` * S + slot) of each expert's replica 0."""
-    pos = {w: i for i, w in enumerate(active)}
-    out = np.empty(self.num_experts, np.int64)
-    for e, reps in enumerate(self.replicas):
-      w, s = reps[0]
-      if w not in pos:
-        raise ValueError(f'expert {e} lives on worker {w}, which is not active {active}')
-      out[e] = pos[w] * self.slots + s
-    return out
-
-  def after_release(self, released: list[int], survivors: list[int]) -> 'ExpertPlacement':
-    """Move only the replicas that lived on released workers, each into an empty slot of the
-    survivor that holds the fewest experts (ties: first in `survivors`); all others stay put."""
-    gone = set(released)
-    if gone & set(survivors):
-      raise ValueError(f'workers {sorted(gone & set(survivors))} both released and surviving')
-    table = self.slot_expert()
-    load = {w: int((table[w] >= 0).sum()) for w in survivors}
-    reps = [list(r) for r in self.replicas]
-    homeless = [(e, i) for e, r in enumerate(reps) for i, (w, _) in enumerate(r) if w in gone]
-    if sum(self.slots - load[w] for w in survivors) < len(homeless):
-      raise FloorError(f'{len(survivors)} survivors x {self.slots} slots cannot hold '
-                       f'{self.num_experts} experts: releasing {sorted(gone)} goes below the floor')
-    for e, i in homeless:
-      w = min(survivors, key=lambda v: (load[v], survivors.index(v)))
-      s = int(np.flatnonzero(table[w] < 0)[0])
-      table[w, s] = e
-      load[w] += 1
-      reps[e][i] = (int(w), s)
-    return ExpertPlacement(num_workers=self.num_workers, slots=self.slots, replicas=reps)
-
-  def moves_since(self, old: 'ExpertPlacement') -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
-    """(expert, (src worker, slot), (dst worker, slot)) of replicas that moved."""
-    return [(e, a, b) for e in range(self.num_experts)
-            for a, b in zip(old.replicas[e], self.replicas[e]) if a != b]

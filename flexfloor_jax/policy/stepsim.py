@@ -25,7 +25,7 @@ class SimExecutor:
   lengths: seq id -> response length (default: each seq's target_len); clipped to max_new_tokens.
   step_cost(kind, num_active, live_slots) -> seconds per step, for simulated wall time (`clock`).
   migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
-  expert_placement: a planner.ExpertPlacement to report expert moves on shrink.
+  expert_placement: a placement.ExpertPlacement to report expert moves on shrink.
   """
 
   def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,
@@ -179,9 +179,11 @@ def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4
   """Static vs release-only vs release + compaction vs FlexFloor on a synthetic workload, epoch after epoch (the length
   history of epochs 0..e-1 drives epoch e). Per epoch: the four metric dicts and the
   prediction quality."""
-  from flexfloor_jax.policy import planner, scheduler, workload  # they import this module lazily
+  # here, not at the top: scheduler imports this module
+  from flexfloor_jax.policy import planner, prediction, scheduler, workload
+  from flexfloor_jax.policy.history import LengthHistory
   workers = list(range(num_workers))
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   out = []
   for e in range(max(epochs) + 1):
     seqs = workload.make_seqs(spec, e)
@@ -194,7 +196,7 @@ def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4
                     planner.ReleasePolicy(floor=floor, compaction=False, steal=False), *args)
       # the baseline's placement kept, release + compaction of stragglers (runner: placement
       # 'static', compaction on); its predictions come from the same history
-      pred_static = {q.seq_id: float(p) for q, p in zip(seqs, scheduler.predict(hist, seqs))}
+      pred_static = {q.seq_id: float(p) for q, p in zip(seqs, prediction.predict(hist, seqs))}
       rc = simulate(seqs, None, static_q,
                     planner.ReleasePolicy(floor=floor, chain=workers, compaction=True, steal=False,
                                           predicted=pred_static), *args)
@@ -204,7 +206,7 @@ def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4
           policy_kw=policy_kw)
       ff = simulate(seqs, None, queues, planner.ReleasePolicy(
           floor=floor, chain=workers, predicted=pred, **(policy_kw or {})), *args)
-      pq = scheduler.prediction_quality([pred[s.seq_id] for s in seqs],
+      pq = prediction.prediction_quality([pred[s.seq_id] for s in seqs],
                                         [actual[s.seq_id] for s in seqs])
       out.append(dict(epoch=e, static=st, release_only=ro, release_compaction=rc, flexfloor=ff,
                       prediction=pq,

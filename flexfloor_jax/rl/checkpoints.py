@@ -19,7 +19,7 @@ import re
 import shutil
 from typing import Optional
 
-from flexfloor_jax.policy import scheduler
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.atomic import atomic_write
 
 log = logging.getLogger(__name__)
@@ -183,10 +183,10 @@ def resume_state(config, params_abs, opt_abs, model_id: str, max_new_tokens: int
       continue
     try:
       params, opt_state, meta = load_checkpoint(path, params_abs, opt_abs, k)
-      history = scheduler.LengthHistory.from_table(
+      history = LengthHistory.from_table(
           meta["history"], os.path.join(path, META), max_new_tokens=max_new_tokens,
           model=model_id)
-    except (DamagedCheckpoint, scheduler.HistoryError) as e:
+    except (DamagedCheckpoint, HistoryError) as e:
       log.warning("checkpoint %s is damaged, skipped: %s", path, e)
       tried.append(f"{path} ({e})")
       continue

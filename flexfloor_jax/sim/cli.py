@@ -8,8 +8,9 @@ import json
 import os
 import sys
 
-from flexfloor_jax.policy import planner, workload
+from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.policy.floor import FloorError
 from flexfloor_jax.sim.cluster import simulate_cluster
 from flexfloor_jax.sim.plot import plot_cluster
 from flexfloor_jax.sim.presets import GB, GIB, HARDWARE, MODELS
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
                                    steps_per_dispatch=F.steps_per_dispatch,
                                    release_sizes=F.release_sizes,
                                    makespan_slack=F.makespan_slack))
-    except (ValueError, planner.FloorError) as e:
+    except (ValueError, FloorError) as e:
       print(f"error: {d} devices: {e}", file=sys.stderr)
       sys.exit(2)
   r0 = rows[0]

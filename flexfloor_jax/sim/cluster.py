@@ -19,8 +19,10 @@ from typing import Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import plan, planner, reuse, scheduler, workload
+from flexfloor_jax.policy import plan, planner, prediction, reuse, scheduler, workload
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import floor_workers, release_sizes as allowed_sizes
 from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
 from flexfloor_jax.sim.presets import Hardware, Model
 from flexfloor_jax.sim.replay import replay
@@ -29,7 +31,7 @@ from flexfloor_jax.sim.replay import replay
 def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
               max_seq_len: int) -> int:
   kv = slots_per_worker * max_seq_len * model.kv_bytes_per_token
-  return planner.floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
+  return floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
                                int(hw.hbm_bytes), ep)
 
 
@@ -104,13 +106,13 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   # a group admits one sequence per worker per prefill step and every lane waits for it: each
   # sequence costs its group's lanes lanes/ep = slots-per-worker lane-steps on top of its length
   prefill = lanes / ep
-  pred = scheduler.predict(history, seqs, quantile=0.9) + prefill
+  pred = prediction.predict(history, seqs, quantile=0.9) + prefill
   idx = [dataclasses.replace(s, seq_id=i) for i, s in enumerate(seqs)]
   bal = scheduler.balanced_placement(idx, pred, list(range(groups)), lanes)
   if schedule == "balanced":
     return [bal[g] for g in range(groups)]
   worlds = ([np.array([d[i] for i in range(len(seqs))], float) + prefill
-             for d in scheduler.sample_scenarios(history, idx, pred, num_scenarios, seed)]
+             for d in prediction.sample_scenarios(history, idx, pred, num_scenarios, seed)]
             if len(history) else [pred])
 
   def finishes(split):
@@ -163,10 +165,10 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                                seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
                                cap=int(round(workload.DEFAULT_CAP * length_scale)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
-  sizes = planner.release_sizes(release_sizes, ep, floor)
+  sizes = allowed_sizes(release_sizes, ep, floor)
   last = epochs - 1
   seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   for e in range(last):
     prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
     hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
@@ -175,7 +177,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   # actual length): what the policy and the cost model allow on these lengths. oracle_balanced's
   # makespan bounds the throughput, oracle_flexfloor's device time the tokens per device-second.
   oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
-  known = scheduler.LengthHistory()
+  known = LengthHistory()
   known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
   # across groups the split spends the slack (group_split); inside a group of several the
   # placement is balanced's and releases keep to that group's balanced makespan, or the two

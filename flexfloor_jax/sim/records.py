@@ -13,7 +13,8 @@ import dataclasses
 import json
 from typing import Mapping, Optional
 
-from flexfloor_jax.policy import accounting, footprint, scheduler
+from flexfloor_jax.policy import accounting, footprint
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.sim.costs import LinearCost, fit_cpu
 from flexfloor_jax.sim.presets import Model
@@ -59,7 +60,7 @@ def load_run_record(path: str) -> dict:
 def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
   seqs = [Seq(**s) for s in rec["seqs"]]
   lengths = {int(k): v for k, v in rec["lengths"].items()}
-  hist = scheduler.LengthHistory(rec["history"], rec.get("step_seconds"))
+  hist = LengthHistory(rec["history"], rec.get("step_seconds"))
   return replay(seqs, lengths, hist, rec["schedule"], rec["num_workers"], rec["slots_per_worker"],
                 rec["floor"], cost=cost, model=model,
                 steps_per_dispatch=rec["steps_per_dispatch"],

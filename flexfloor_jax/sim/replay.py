@@ -14,8 +14,9 @@ from typing import Mapping, Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import controller, footprint, plan, planner, stepsim
+from flexfloor_jax.policy import controller, footprint, plan, stepsim
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.sim.costs import LinearCost
 from flexfloor_jax.sim.presets import Model
 
@@ -132,7 +133,7 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
       cost=policy_cost, step_cost=step_cost)
   E = model.experts if model is not None else (num_experts or 8)
   slots = footprint.preallocated_slots(schedule, E, num_workers, floor)
-  pl = planner.ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
+  pl = ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
                     expert_bytes=model.expert_bytes if model else 0)

@@ -1,0 +1,62 @@
+"""Side-by-side benchmark: `python -m flexfloor_jax.bench --config=configs/bench.py`.
+
+Runs static, balanced, FlexFloor, release alone and release + compaction on the same prompts for
+each epoch (flexfloor_jax/bench/runs.py). Printed: one table (per epoch and schedule the measures
+of summary.json, then the flexfloor/static ratios with the paper's 1.654, static makespan / each
+schedule's makespan, the bound: a perfect-knowledge balanced placement of the actual lengths with
+release, in the step simulator, the release-only ratio against its ceiling
+1 / (1 - static idle_after_finish_fraction), and a roofline-weighted device-time ratio: each run
+replayed through the simulator (flexfloor_jax.sim, same policy code, same device_steps) with every
+step costed by the roofline for this model on `roofline_hardware`). Written to output_dir:
+bench.json, bench.png and runs/<schedule>_e<k>.json (each run's sequences, lengths, history and
+timeline: what `python -m flexfloor_jax.sim --calibrate=... --predict=...` reads).
+"""
+
+from __future__ import annotations
+
+from absl import app, flags
+
+from flexfloor_jax import cli
+from flexfloor_jax.policy import outputs
+
+_CONFIG = cli.define_config("configs/bench.py", "Benchmark config file.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
+                                    "Emulated devices on CPU (default: config mesh.cpu_devices).")
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  cli.config_loaded(config)
+  from flexfloor_jax import runner
+  from flexfloor_jax.bench import report, runs
+  from flexfloor_jax.cli import ConfigError, enable_compilation_cache, fail
+  try:  # every field checked before jax starts, as the rollout CLI does
+    cli.validate_common(config)
+    runner.validate_config(config)
+    runs.validate_bench(config)
+  except (ConfigError, runner.RolloutError) as e:
+    fail(str(e))
+  try:  # checked and locked before jax starts: a second bench on this directory fails at once
+    lock = outputs.acquire(config.output_dir, "output_dir")
+  except outputs.OutputDirError as e:
+    fail(str(e))
+  with lock:
+    cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax starts
+    enable_compilation_cache()
+    try:
+      doc, timelines, records = runs.run_bench(config)
+    except runner.RolloutError as e:
+      fail(str(e))
+    print(report.format_table(doc))
+    for line in report.summary_lines(doc):
+      print(line)
+    try:
+      report.write_outputs(doc, timelines, records, config.output_dir)
+    except outputs.OutputWriteError as e:
+      fail(str(e))
+  print(f"wrote {config.output_dir}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,95 @@
+"""bench.json's comparisons: the ratios of each schedule to static, the bound a workload sets, the
+ceiling of release alone, the calibration of the simulator's cpu preset, and the document itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from flexfloor_jax.policy.accounting import jsonable
+
+PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
+PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
+
+
+def ratios(a: dict, b: dict) -> dict:
+  return {k: a[k] / b[k] for k in a if k in b and isinstance(b[k], (int, float)) and b[k]}
+
+
+def same_responses(a: list[dict], b: list[dict]) -> bool:
+  key = lambda r: (r["prompt_id"], r["sample"])
+  return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
+
+
+def bound(seqs, ff_result, static: dict, steps_per_dispatch: int) -> dict:
+  """The bound a workload sets: the balanced placement of the *actual* lengths (perfect
+  knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
+  the same lengths), at flexfloor's floor and release sizes."""
+  from flexfloor_jax.policy import planner, scheduler, stepsim
+  s = ff_result.summary
+  lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
+  by_id = {x.seq_id: x for x in seqs}
+  n, b = s["num_workers"], s["slots_per_worker"]
+  actual = [float(lengths[x.seq_id]) for x in seqs]
+  queues = scheduler.balanced_placement(seqs, actual, list(range(n)), b)
+  pol = planner.ReleasePolicy(floor=s["floor"], chain=list(range(n)), shared_queue=True,
+                              predicted={q: float(v) for q, v in lengths.items()},
+                              sizes=tuple(s["release_sizes"]) if s.get("release_sizes") else None)
+  m = stepsim.simulate(list(by_id.values()), lengths, queues, pol, n, b, steps_per_dispatch)
+  return dict(tokens_per_device_step=m["tokens_per_device_step"],
+              makespan_steps=m["makespan_steps"], device_steps=m["device_steps"],
+              ratio_tokens_per_device_step=m["tokens_per_device_step"]
+              / static["tokens_per_device_step"])
+
+
+def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
+  """Into one epoch's entry `ep` (its per-schedule measures already in): whether every schedule's
+  responses equal static's, the ratios to static (and flexfloor to balanced), the bound, the
+  makespan speedups, and release alone (and with compaction) against its ceiling
+  1 / (1 - static idle_after_finish_fraction). `runs`: schedule -> [(config, result, ...)]."""
+  base = runs["static"][0][1].responses
+  ep["responses_identical"] = {n: same_responses(base, runs[n][0][1].responses)
+                               for n in names if n != "static"}
+  st = ep["static"]
+  ep["ratio"] = ratios(ep["flexfloor"], st)
+  ep["ratio_balanced"] = ratios(ep["balanced"], st)
+  ep["flexfloor_over_balanced"] = ratios(ep["flexfloor"], ep["balanced"])
+  ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st,
+                      runs["flexfloor"][0][0].rollout.steps_per_dispatch)
+  ep["makespan_speedup"] = {n: st["makespan_steps"] / ep[n]["makespan_steps"]
+                            for n in names + ["bound"] if ep.get(n, {}).get("makespan_steps")}
+  if "release_only" in ep:
+    ep["ratio_release_only"] = ratios(ep["release_only"], st)
+    ceil = 1.0 / (1.0 - st["idle_after_finish_fraction"])
+    ep["release_only_ceiling"] = ceil
+    ep["release_only_of_ceiling"] = ep["ratio_release_only"]["tokens_per_device_step"] / ceil
+  if "release_compaction" in ep:
+    ep["ratio_release_compaction"] = ratios(ep["release_compaction"], st)
+    ep["release_compaction_of_ceiling"] = (
+        ep["ratio_release_compaction"]["tokens_per_device_step"] / ep["release_only_ceiling"])
+
+
+def calibrate(records: dict) -> dict | None:
+  """The sim's cpu preset fitted on the workload of epoch 0 (its static and flexfloor runs),
+  predicting the runs of every later epoch (held-out workloads: other lengths)."""
+  from flexfloor_jax.sim.records import calibrate_and_predict
+  fit = [records[(n, 0)] for n in ("static", "flexfloor") if (n, 0) in records]
+  held = [rec for (n, k), rec in sorted(records.items(), key=lambda kv: (kv[0][1], kv[0][0]))
+          if k > 0]
+  if not fit:
+    return None
+  return calibrate_and_predict(fit, held)
+
+
+def make_document(config, epochs: list[dict], records: dict, hw, model, pool,
+                  t_start: float) -> dict:
+  """bench.json: the config, the paper's ratios, the roofline used, every epoch's entry, the
+  calibration, the step cache's hits and the bench's seconds since `t_start` (perf_counter)."""
+  doc = {"config": config.to_dict(), "paper": {"tokens_per_device_time_ratio":
+                                               PAPER_TOKENS_PER_DEVICE_TIME,
+                                               "throughput_ratio": PAPER_THROUGHPUT},
+         "roofline": {"hardware": hw.name, "model": dataclasses.asdict(model), "source": hw.source},
+         "epochs": epochs, "calibration": calibrate(records),
+         "step_cache": {"hits": pool.hits, "misses": pool.misses},
+         "bench_seconds": time.perf_counter() - t_start}
+  return jsonable(doc, nonfinite_to_none=True)

@@ -1,0 +1,161 @@
+"""The bench's output: the printed table and summary lines, bench.png, and bench.json with the
+runs' records published as one set in output_dir."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from flexfloor_jax.bench.document import PAPER_THROUGHPUT, PAPER_TOKENS_PER_DEVICE_TIME
+from flexfloor_jax.policy import outputs
+
+RELEASE_ONLY_TARGET = 0.9  # release alone should recover at least this share of its ceiling
+TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "makespan", ".0f"),
+         ("slot_utilization", "slot util", ".3f"),
+         ("idle_after_finish_fraction", "idle after fin", ".3f"), ("device_steps", "dev-steps", ".0f"),
+         ("throughput_tokens_per_s", "tokens/s", ".1f"), ("mean_reward", "reward", ".3f"))
+
+
+def format_table(doc: dict) -> str:
+  hw = doc["roofline"]["hardware"]
+  cols = [("epoch", 5), ("run", 25)] + [(h, 20 if i == 0 else max(len(h), 9))
+                                       for i, (_, h, _) in enumerate(TABLE)] + [
+      (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)]
+  fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols))
+  lines = [fmt_row([c for c, _ in cols])]
+  dash = "-"
+
+  def cell(m, key, f):
+    v = m.get(key)
+    return dash if v is None else format(v, f)
+
+  for ep in doc["epochs"]:
+    k = ep["epoch"]
+    for name in ("static", "balanced", "flexfloor", "release_only", "release_compaction"):
+      if name in ep:
+        m = ep[name]
+        lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
+                             + [format(m["roofline_tokens_per_device_second"], ".4g") +
+                                " tok/dev-s", dash, dash]))
+    bd = ep["bound"]
+    lines.append(fmt_row([k, "bound (actual lengths)", format(bd["tokens_per_device_step"], ".3f"),
+                          format(bd["makespan_steps"], ".0f")] + [dash] * (len(TABLE) - 2)
+                         + [dash, dash, dash]))
+    sp = ep["makespan_speedup"]
+    for name, r in (("balanced", ep["ratio_balanced"]), ("flexfloor", ep["ratio"])):
+      tp = f"{r['tokens_per_device_step']:.3f}" + (
+          f" (paper {PAPER_TOKENS_PER_DEVICE_TIME})" if name == "flexfloor" else "")
+      lines.append(fmt_row([k, f"{name}/static", tp, f"x{sp[name]:.2f} faster"] + [
+          cell(r, key, ".3f") for key, _, _ in TABLE[2:]]
+          + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
+    lines.append(fmt_row([k, "bound/static", format(bd["ratio_tokens_per_device_step"], ".3f"),
+                          f"x{sp['bound']:.2f} faster"] + [dash] * (len(TABLE) - 2)
+                         + [dash, dash, dash]))
+    for name in ("release_only", "release_compaction"):  # placement unchanged: vs the ceiling
+      if f"ratio_{name}" in ep:
+        r = ep[f"ratio_{name}"]
+        lines.append(fmt_row([k, f"{name}/static", format(r["tokens_per_device_step"], ".3f")]
+                             + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
+                             + [cell(r, "roofline_tokens_per_device_second", ".3f"),
+                                format(ep["release_only_ceiling"], ".3f"),
+                                format(ep[f"{name}_of_ceiling"], ".3f")]))
+  return "\n".join(lines)
+
+
+def summary_lines(doc: dict) -> list[str]:
+  eps = [e for e in doc["epochs"] if e["epoch"] >= 1] or doc["epochs"]
+  out = []
+  ks = [e["epoch"] for e in eps]
+  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+  r = [e["ratio"]["tokens_per_device_step"] for e in eps]
+  rb = [e["bound"]["ratio_tokens_per_device_step"] for e in eps]
+  ms = [e["makespan_speedup"]["flexfloor"] for e in eps]
+  mb = [e["makespan_speedup"]["bound"] for e in eps]
+  fb = [e["flexfloor_over_balanced"]["tokens_per_device_step"] for e in eps]
+  mfb = [e["flexfloor"]["makespan_steps"] / e["balanced"]["makespan_steps"] for e in eps]
+  slack = doc["config"]["scheduler"].get("makespan_slack", 0.05)
+  t = [e["ratio"]["throughput_tokens_per_s"] for e in eps]
+  out.append(f"epochs {ks}: flexfloor/static tokens_per_device_step {fmt(r)} (target >= 1.65, "
+             f"paper {PAPER_TOKENS_PER_DEVICE_TIME}; bound {fmt(rb)})")
+  out.append(f"epochs {ks}: static/flexfloor makespan (steps) {fmt(ms)} (target >= 1.5; bound "
+             f"{fmt(mb)}); wall throughput ratio {fmt(t)} (paper {PAPER_THROUGHPUT})")
+  out.append(f"epochs {ks}: flexfloor/balanced tokens_per_device_step {fmt(fb)} (target > 1); "
+             f"flexfloor/balanced makespan {fmt(mfb)} (target <= {1 + slack:.2f})")
+  if all("release_only_of_ceiling" in e for e in doc["epochs"]):
+    q = [e["release_only_of_ceiling"] for e in doc["epochs"]]
+    out.append(f"release-only / ceiling per epoch: {', '.join(f'{x:.3f}' for x in q)} "
+               f"(target >= {RELEASE_ONLY_TARGET})")
+  if all("release_compaction_of_ceiling" in e for e in doc["epochs"]):
+    q = [e["release_compaction_of_ceiling"] for e in doc["epochs"]]
+    out.append(f"release + compaction (placement unchanged) / ceiling per epoch: "
+               f"{', '.join(f'{x:.3f}' for x in q)} (target > 1: past the ceiling)")
+  ok = all(all(e["device_steps_match_sim"].values()) for e in doc["epochs"])
+  ident = all(all(e["responses_identical"].values()) for e in doc["epochs"])
+  out.append(f"sim replay device_steps == measured for every run: {ok}; responses token-identical "
+             f"to static for every schedule: {ident}")
+  cal = doc.get("calibration")
+  if cal and cal["predictions"]:
+    errs = [p["wall_rel_error"] for p in cal["predictions"]]
+    out.append(f"cpu preset fitted on epoch 0 ({cal['cpu_preset']['fitted_on']}) predicts the "
+               f"{len(errs)} runs of later epochs' wall "
+               f"time within {max(abs(e) for e in errs) * 100:.1f}% (mean "
+               f"{sum(errs) / len(errs) * 100:+.1f}%), device_steps exact: "
+               f"{all(p['device_steps_exact'] for p in cal['predictions'])}")
+  return out
+
+
+def plot(doc: dict, timelines: dict, path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  from flexfloor_jax.policy import accounting
+  last = doc["epochs"][-1]["epoch"]
+  fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4))
+  for (name, k), tl in sorted(timelines.items()):
+    if k != last:
+      continue
+    xs, active, _ = accounting.live_series(tl)
+    a.step(xs, active, where="post", label=name,
+           ls={"release_only": "--", "release_compaction": ":"}.get(name, "-"))
+  a.set_xlabel("step (prefill + decode)")
+  a.set_ylabel("active workers")
+  a.set_title(f"epoch {last}: active workers")
+  a.legend()
+  ks = [e["epoch"] for e in doc["epochs"]]
+  b.plot(ks, [e["ratio"]["tokens_per_device_step"] for e in doc["epochs"]], "o-",
+         label="flexfloor/static tokens/device-step")
+  b.plot(ks, [e["ratio"]["throughput_tokens_per_s"] for e in doc["epochs"]], "s-",
+         label="flexfloor/static throughput")
+  b.plot(ks, [e["ratio"]["roofline_tokens_per_device_second"] for e in doc["epochs"]], "^-",
+         label=f"roofline device-time ({doc['roofline']['hardware']})")
+  if all("ratio_release_only" in e for e in doc["epochs"]):
+    b.plot(ks, [e["ratio_release_only"]["tokens_per_device_step"] for e in doc["epochs"]], "d--",
+           label="release only / static")
+    b.plot(ks, [e["release_only_ceiling"] for e in doc["epochs"]], "k:", label="release ceiling")
+  if all("ratio_release_compaction" in e for e in doc["epochs"]):
+    b.plot(ks, [e["ratio_release_compaction"]["tokens_per_device_step"] for e in doc["epochs"]],
+           "s--", label="release + compaction / static")
+  b.axhline(PAPER_TOKENS_PER_DEVICE_TIME, color="gray", ls="-.", label="paper 1.654")
+  b.set_xticks(ks)
+  b.set_xlabel("epoch")
+  b.set_ylabel("ratio")
+  b.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+  fig.tight_layout()
+  try:
+    fig.savefig(path, format="png", dpi=110)
+  finally:
+    plt.close(fig)
+
+
+def write_outputs(doc, timelines, records, out_dir: str) -> str:
+  """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
+  (policy/outputs.py); returns the set's directory. Raises outputs.OutputWriteError naming the
+  file."""
+  s = outputs.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
+  s.write("bench.json", json.dumps(doc, indent=2))
+  for (name, k), rec in records.items():
+    s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))
+  with s.writing("bench.png") as path:
+    plot(doc, timelines, path)
+  return s.publish()

@@ -1,0 +1,197 @@
+"""The bench's runs: every schedule of every epoch through the runner, in one process, each run
+measured (summary.json's numbers) and replayed through the simulator (device_steps and the
+roofline's device time).
+
+For each epoch k = 0..epochs-1: the static baseline, the balanced baseline (longest predicted first
+onto the least-loaded worker, shared queue, full width, no release), FlexFloor (scheduler +
+release), (release_only) FlexFloor with the static placement, i.e. release alone, and
+(release_compaction) the static placement with release and compaction of stragglers; the same
+prompts, seeds and workload (rollout.epoch = k), every mesh size compiled before the first step
+(rollout.wait_compiles) so releases are reproducible. One length history lives in memory: every
+run of epoch k is scheduled with the history of epochs 0..k-1 (a copy: a run of epoch k never sees
+epoch k's own lengths), and epoch k's lengths join it after the epoch.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+from flexfloor_jax import cli
+from flexfloor_jax.bench import document
+
+
+def get_bench_config(preset: str = "tiny"):
+  """configs/bench.py's get_config() (loaded by path, as config_flags loads it)."""
+  return cli.load_config("bench", preset)
+
+
+def variants(config) -> list[tuple[str, dict]]:
+  out = [("static", dict(schedule="static", placement="auto", compaction=False)),
+         ("balanced", dict(schedule="balanced", placement="auto", compaction=False)),
+         ("flexfloor", dict(schedule="flexfloor", placement="auto",
+                            compaction=bool(config.scheduler.compaction)))]
+  if config.release_only:
+    # The baseline's placement kept: release alone, then release + compaction of stragglers.
+    out.append(("release_only", dict(schedule="flexfloor", placement="static", compaction=False)))
+    out.append(("release_compaction", dict(schedule="flexfloor", placement="static",
+                                           compaction=True)))
+  return out
+
+
+def run_config(config, variant: dict, epoch: int):
+  c = copy.deepcopy(config)
+  c.schedule = variant["schedule"]
+  c.scheduler.placement = variant["placement"]
+  c.scheduler.compaction = variant.get("compaction", config.scheduler.compaction)
+  c.rollout.epoch = int(epoch)
+  c.rollout.wait_compiles = True
+  return c
+
+
+def validate_bench(config) -> None:
+  """The bench's own fields (runner.RolloutError naming the field)."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.sim.presets import HARDWARE
+  if config.epochs < 1 or config.repeats < 1:
+    raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
+                              f"{config.repeats}")
+  if config.roofline_hardware not in HARDWARE:
+    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(HARDWARE)}, got "
+                              f"{config.roofline_hardware!r}")
+
+
+def seqs_for(config):
+  """The runner's own sequence list for this config (same prompts, prompt lengths, targets)."""
+  from flexfloor_jax import runner
+  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax.tokenizer import load_tokenizer
+  if config.model.checkpoint:
+    from flexfloor_jax.model import checkpoint as ckpt
+    try:
+      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise runner.RolloutError(f"model.checkpoint: {e}") from None
+  else:
+    model_cfg = PRESETS[config.preset]
+  model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  tok = load_tokenizer(config.model.checkpoint, model_cfg)
+  prompts = runner.load_prompts(config, tok, model_cfg.bos_id)
+  return runner.build_seqs(config, prompts, runner.resolve_lengths_mode(config)), model_cfg
+
+
+def _scalars(summary: dict) -> dict:
+  """Numeric measures of a summary.json (lists and labels left out; prediction flattened)."""
+  out = {}
+  for k, v in summary.items():
+    if isinstance(v, bool):
+      continue
+    if isinstance(v, (int, float)):
+      out[k] = v
+  pred = summary.get("prediction")
+  if isinstance(pred, dict):
+    for k, v in pred.items():
+      out[f"prediction_{k}"] = v
+  return out
+
+
+def _run_epoch(config, k: int, history, pool, progress: bool) -> dict:
+  """Every schedule of epoch k, `repeats` times, each from a copy of `history`: schedule ->
+  [(config, result, history before, history after)]."""
+  from tqdm import tqdm
+
+  from flexfloor_jax import runner
+  names = [n for n, _ in variants(config)]
+  runs: dict[str, list] = {n: [] for n in names}
+  bar = tqdm(total=len(names) * config.repeats, desc=f"epoch {k}", unit="run",
+             disable=not progress, leave=True, file=sys.stderr)
+  for rep in range(config.repeats):
+    for name, v in variants(config):
+      bar.set_postfix_str(name)
+      c = run_config(config, v, k)
+      before = copy.deepcopy(history)
+      h = copy.deepcopy(history)  # the runner adds this run's lengths to it
+      with pool.installed():
+        res = runner.run(c, write_outputs=False, history=h, progress=False)
+      runs[name].append((c, res, before, h))
+      bar.update(1)
+  bar.close()
+  return runs
+
+
+def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
+  """One run's measures (its summary's numbers, the simulator's device_steps for the same lengths,
+  the roofline's device time) and the lengths it produced."""
+  from flexfloor_jax.sim import costs, replay
+  s = res.summary
+  m = _scalars(s)
+  lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
+  kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
+            placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
+            epoch=k, sizes=s.get("release_sizes"),
+            makespan_slack=float(c.scheduler.makespan_slack),
+            step_cost=s.get("step_cost", "measured"))
+  args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"], s["floor"])
+  plain, _ = replay.replay(*args, **kw)
+  roof, _ = replay.replay(*args, cost=costs.RooflineCost(model, hw), model=model, **kw)
+  m["sim_device_steps"] = plain["device_steps"]
+  m["roofline_occupied_device_seconds"] = roof["occupied_device_seconds"]
+  m["roofline_tokens_per_device_second"] = (
+      roof["generated_tokens"] / roof["occupied_device_seconds"])
+  m["roofline_wall_s"] = roof["generation_wall_s"]
+  return m, lengths
+
+
+def run_bench(config, *, progress: bool = True):
+  """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
+  run record}) (what report.write_outputs() writes)."""
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax.policy.history import LengthHistory
+  from flexfloor_jax.sim import presets, records as sim_records
+
+  validate_bench(config)
+  pool = engine_lib.StepCachePool(engine_lib)
+  hw = presets.HARDWARE[config.roofline_hardware]
+  history = LengthHistory()
+  names = [n for n, _ in variants(config)]
+  epochs, timelines, records = [], {}, {}
+  t_all = time.perf_counter()
+  for k in range(config.epochs):
+    runs = _run_epoch(config, k, history, pool, progress)
+    seqs, model_cfg = seqs_for(run_config(config, variants(config)[0][1], k))
+    model = presets.Model.from_config(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e",
+                                      model_cfg)
+    ep: dict = {"epoch": k}
+    for name in names:
+      per = []
+      for rep, (c, res, before, h) in enumerate(runs[name]):
+        m, lengths = _measure(c, res, before, seqs, k, model, hw)
+        per.append(m)
+        if rep == 0:
+          s = res.summary
+          timelines[(name, k)] = res.record.timeline
+          records[(name, k)] = sim_records.make_run_record(
+              name=f"{name}_e{k}", epoch=k, seqs=seqs, lengths=lengths, history=before,
+              schedule=c.schedule, placement=c.scheduler.placement,
+              compaction=bool(c.scheduler.compaction), num_workers=s["num_workers"],
+              slots_per_worker=s["slots_per_worker"], floor=s["floor"],
+              steps_per_dispatch=c.rollout.steps_per_dispatch,
+              num_experts=model_cfg.num_experts, timeline=res.record.timeline, summary=s)
+      # the mean of each measure over the repeats; counts stay integers: the first run's
+      merged = {key: sum(p[key] for p in per) / len(per) for key in per[0]
+                if all(key in p for p in per)}
+      for key in ("device_steps", "generated_tokens", "sim_device_steps"):
+        if key in merged:
+          merged[key] = per[0][key]
+      ep[name] = merged
+      if config.repeats > 1:
+        ep.setdefault("repeats", {})[name] = {
+            "throughput_tokens_per_s": [p["throughput_tokens_per_s"] for p in per],
+            "device_steps": [p["device_steps"] for p in per]}
+      ep.setdefault("device_steps_match_sim", {})[name] = all(
+          p["device_steps"] == p["sim_device_steps"] for p in per)
+    document.add_comparisons(ep, names, runs, seqs)
+    epochs.append(ep)
+    history = runs["flexfloor"][0][3]  # epoch k's lengths join the shared history
+  return document.make_document(config, epochs, records, hw, model, pool, t_all), timelines, records

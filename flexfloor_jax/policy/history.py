@@ -1,0 +1,144 @@
+"""The length history: each prompt's response lengths by epoch (and the measured decode-step seconds
+by active-group size), kept in one JSON file across runs, every value checked when it is read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+
+from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.policy.controller import Seq
+
+HISTORY_FORMAT = 'flexfloor_jax.length_history'
+HISTORY_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+
+class HistoryError(ValueError):
+  """A history file or table that cannot be used; the message names the file and the prompt."""
+
+
+class LengthHistory:
+  """prompt id -> epoch -> response lengths of its samples."""
+
+  def __init__(self, data: dict[str, dict[int, list[int]]] | None = None,
+               step_seconds: dict[int, float] | None = None, model: str | None = None):
+    self.data = {p: {int(e): list(map(int, v)) for e, v in d.items()} for p, d in (data or {}).items()}
+    # median decode-step seconds by active-group size, measured by the engine (policy.costs)
+    self.step_seconds = {int(n): float(t) for n, t in (step_seconds or {}).items()}
+    # Identity of the model whose responses these are (model.config.model_identity): saved with
+    # the file, so that one model's lengths never steer another model's schedule unnoticed.
+    self.model = model
+
+  def add_step_seconds(self, table: dict[int, float]) -> None:
+    """A run's measured step times: each size measured now replaces the older figure."""
+    self.step_seconds.update({int(n): float(t) for n, t in table.items()})
+
+  def __len__(self):
+    return len(self.data)
+
+  def __contains__(self, prompt_id):
+    return prompt_id in self.data
+
+  def add(self, prompt_id: str, epoch: int, lengths) -> None:
+    self.data.setdefault(str(prompt_id), {})[int(epoch)] = [int(x) for x in lengths]
+
+  def add_rollout(self, epoch: int, seqs: list[Seq], lengths: dict[int, int]) -> None:
+    """Record one rollout: lengths by seq id (e.g. Finish.num_tokens)."""
+    by_prompt: dict[str, list[tuple[int, int]]] = {}
+    for s in seqs:
+      by_prompt.setdefault(s.prompt_id, []).append((s.sample, int(lengths[s.seq_id])))
+    for p, v in by_prompt.items():
+      self.add(p, epoch, [n for _, n in sorted(v)])
+
+  def epochs(self, prompt_id: str) -> dict[int, list[int]]:
+    return self.data.get(prompt_id, {})
+
+  def all_lengths(self) -> np.ndarray:
+    return np.asarray([n for d in self.data.values() for v in d.values() for n in v], float)
+
+  def save(self, path: str) -> None:
+    """Atomic: a temp file in the same directory, fsync, os.replace; a crash leaves the old file."""
+    doc = {'format': HISTORY_FORMAT, 'version': HISTORY_VERSION,
+           'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in self.data.items()},
+           'step_seconds': {str(n): t for n, t in sorted(self.step_seconds.items())}}
+    if self.model is not None:
+      doc['model'] = self.model
+    atomic_write(path, json.dumps(doc), durable=True)
+
+  @classmethod
+  def from_table(cls, table, source: str, *, max_new_tokens: int | None = None,
+                 step_seconds=None, model: str | None = None) -> 'LengthHistory':
+    """A history from its saved "prompts" table, every value checked: each prompt's epochs are
+    integers >= 0 holding non-empty lists of whole lengths in [1, max_new_tokens] (every response
+    has at least its first token; max_new_tokens unchecked when None). HistoryError names
+    `source` (the file) and the prompt otherwise."""
+    if not isinstance(table, dict):
+      raise HistoryError(f'length history {source}: "prompts" must be an object, got '
+                         f'{type(table).__name__}')
+    hi = max_new_tokens if max_new_tokens is not None else float('inf')
+    data: dict[str, dict[int, list[int]]] = {}
+    for p, d in table.items():
+      where = f'length history {source}: prompt {p!r}'
+      if not isinstance(d, dict):
+        raise HistoryError(f'{where}: malformed entry {d!r:.80} (expected epoch -> lengths)')
+      for e, v in d.items():
+        try:
+          epoch = int(e)
+        except (TypeError, ValueError):
+          raise HistoryError(f'{where}: epoch {e!r} is not an integer') from None
+        if epoch < 0:
+          raise HistoryError(f'{where}: epoch {epoch} is negative')
+        if not isinstance(v, list) or not v:
+          raise HistoryError(f'{where} epoch {epoch}: lengths must be a non-empty list, got '
+                             f'{v!r:.80}')
+        for x in v:
+          if not (isinstance(x, (int, np.integer)) and not isinstance(x, bool)) or not 1 <= x <= hi:
+            rng = ('>= 1' if max_new_tokens is None else
+                   f'in [1, {max_new_tokens}] (rollout.max_new_tokens)')
+            raise HistoryError(f'{where} epoch {epoch}: length {x!r} is not a whole number {rng}')
+        data.setdefault(str(p), {})[epoch] = [int(x) for x in v]
+    return cls(data, step_seconds, model)
+
+  @classmethod
+  def load(cls, path: str, *, max_new_tokens: int | None = None,
+           model: str | None = None) -> 'LengthHistory':
+    """Missing file -> empty history. Corrupt or foreign file, or an impossible value (a length
+    outside [1, max_new_tokens], an empty list) -> HistoryError naming the path and the prompt
+    (never a silent reset: that would throw away what the scheduler learned). A file recorded
+    for another model than `model` -> a warning and an empty history (the file is replaced when
+    this run saves); a file that records no model is taken as this model's."""
+    if not os.path.exists(path):
+      return cls(model=model)
+    try:
+      with open(path) as f:
+        doc = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise HistoryError(f'length history {path} is unreadable or corrupt ({e}); '
+                         'fix or remove it to start from an empty history') from e
+    if not isinstance(doc, dict) or doc.get('format') != HISTORY_FORMAT:
+      raise HistoryError(f'{path} is not a flexfloor_jax length history (format marker missing)')
+    if doc.get('version') != HISTORY_VERSION:
+      raise HistoryError(f'length history {path} has version {doc.get("version")!r}, '
+                         f'this code reads {HISTORY_VERSION}')
+    recorded = doc.get('model')
+    if model is not None and recorded is not None and recorded != model:
+      log.warning('length history %s was recorded for model %s, not this model (%s): starting '
+                  'from an empty history; this run replaces the file when it saves', path,
+                  recorded, model)
+      return cls(model=model)
+    try:
+      steps = {int(n): float(t) for n, t in (doc.get('step_seconds') or {}).items()}
+    except (AttributeError, TypeError, ValueError) as e:
+      raise HistoryError(f'length history {path} has a malformed "step_seconds" table ({e})') from e
+    if any(n < 1 or not np.isfinite(t) or t <= 0 for n, t in steps.items()):
+      raise HistoryError(f'length history {path}: "step_seconds" needs sizes >= 1 and finite '
+                         f'seconds > 0, got {steps}')
+    if 'prompts' not in doc:
+      raise HistoryError(f'length history {path} has no "prompts" table')
+    return cls.from_table(doc['prompts'], path, max_new_tokens=max_new_tokens, step_seconds=steps,
+                          model=model if model is not None else recorded)
