@@ -21,9 +21,9 @@ from typing import Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import scheduler
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.rl.checkpoints import TrainError
@@ -270,9 +270,8 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
     atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
   else:
     try:
-      history = scheduler.LengthHistory.load(history_path, max_new_tokens=max_new,
-                                             model=model_id)
-    except scheduler.HistoryError as e:
+      history = LengthHistory.load(history_path, max_new_tokens=max_new, model=model_id)
+    except HistoryError as e:
       raise TrainError(f"scheduler.history_path: {e}") from None
     if os.path.exists(metrics_path):
       os.unlink(metrics_path)
