@@ -122,22 +122,23 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   # A migration (compaction) by the single-device movers equals the SPMD extract/insert path.
   eng.steps.wait_all()
   assert eng.steps.row_movers_ready()
-  tree = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  tree = eng.state.as_dict()
   copy = jax.tree.map(lambda a: a.copy(), tree)
-  spmd, spmd_bytes = elastic.move_rows(eng.stepset, "slots", copy, [(7, 1, 5, 0)])
+  spmd, spmd_bytes = elastic.move_rows(eng.stepset, "rows", copy, [(7, 1, 5, 0)])
   kv_bytes = eng.migrate([(7, 1, 5, 0)])
-  moved = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  moved = eng.state.as_dict()
   for k in tree:
     np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(spmd[k]), err_msg=k)
-  row = lambda a: a.nbytes // a.shape[1]  # one slot of the cache (all layers)
-  assert kv_bytes == row(eng.cache_k) + row(eng.cache_v) > 0
-  assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for a in eng.state.values())
+  row = lambda a: a.nbytes // a.shape[1]  # one sequence row of the cache (all layers)
+  assert kv_bytes == row(eng.state.k) + row(eng.state.v) > 0
+  assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for k, a in moved.items()
+                                      if k not in ("k", "v"))
 
   def pointers(arr):
     return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
 
-  before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                        "slots": eng.state["slots"]}.items()}
+  before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.state.k, "v": eng.state.v,
+                                        "scalars": eng.state.scalars}.items()}
   held = placement.slot_expert()
   released = [0, 1]
   expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
@@ -145,8 +146,8 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   stats = eng.shrink(chain[2:])
   assert stats["expert_bytes_moved"] == expected > 0
   survivors = {devices[w].id for w in chain[2:]}
-  after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                       "slots": eng.state["slots"]}.items()}
+  after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.state.k, "v": eng.state.v,
+                                       "scalars": eng.state.scalars}.items()}
   for k in before:
     assert set(after[k]) == survivors
     for d in survivors:
@@ -409,7 +410,7 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
   for n in range(8, 1, -1):
     if n < 8:
       eng.shrink(chain[8 - n:])
-    jax.block_until_ready((eng.experts, eng.cache_k, eng.state))
+    jax.block_until_ready((eng.experts, eng.state))
     gc.collect()
     live = _live_bytes({id(a) for a in before})
     for w in chain[8 - n:]:
