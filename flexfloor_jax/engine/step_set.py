@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from flexfloor_jax import distributed
-from flexfloor_jax import elastic
 from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax import movers
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.engine.spec import EngineSpec, SeqInput, cache_spec
 from flexfloor_jax.engine.steps import decode_local, prefill_local
@@ -94,7 +94,7 @@ class StepSet:
           *self.prefill_args_abstract()).compile()
       self._compiled["decode"] = self._step_jit(decode_local, 2).lower(
           *self.decode_args_abstract()).compile()
-      self._compiled.update(elastic.compile_movers(self))
+      self._compiled.update(movers.compile_movers(self))
       # Multi-controller: the next collectives (warm-up, else the first step) are this mesh's
       # first, where gloo builds its communicator with a short timeout of its own; the processes
       # compile in different times, so they meet at a barrier (long timeout) first.
@@ -141,7 +141,7 @@ class StepCache:
   background at rollout start (and kept across rollouts by JAX's persistent cache).
 
   Sizes compile in the order `prefetch` is given them, `compile_threads` at a time. The
-  single-device movers (elastic.SlotMovers, RowMovers) are compiled per device, and only for the
+  single-device movers (movers.SlotMovers, RowMovers) are compiled per device, and only for the
   devices `plan_movers` names for a size, right after that size's StepSet: a release onto a size
   needs its own executables first, and the movers only of the devices its moves touch. A move
   whose devices have no movers yet takes the SPMD extract/insert path of the StepSets instead
@@ -155,8 +155,8 @@ class StepCache:
     self._pool = self._new_pool()
     self._futures: dict[int, Any] = {}
     self._sets: dict[int, StepSet] = {}
-    self._slot_movers: dict = {}  # device -> elastic.SlotMovers (expert slots)
-    self._row_movers: dict = {}  # device -> elastic.RowMovers (sequence rows)
+    self._slot_movers: dict = {}  # device -> movers.SlotMovers (expert slots)
+    self._row_movers: dict = {}  # device -> movers.RowMovers (sequence rows)
     self._movers_lock = threading.Lock()
     # size -> (devices needing slot movers, devices needing row movers) after that size's
     # StepSet; None: every device of the chain at the first smaller size (no plan given)
@@ -207,20 +207,20 @@ class StepCache:
       return dict(table)
 
   def row_movers(self, devices=None) -> dict:
-    """{device: elastic.RowMovers}, compiled for `devices` (default: the chain's) if missing;
+    """{device: movers.RowMovers}, compiled for `devices` (default: the chain's) if missing;
     returns every device's compiled so far."""
     b = self.spec.slots_per_worker
     shard = state_lib.state_shapes(self.spec, 1).as_dict()  # one worker's sequence rows
     devs = [self.devices[w] for w in self.chain] if devices is None else devices
-    return self._movers(self._row_movers, devs, lambda d: elastic.RowMovers(shard, d, b))
+    return self._movers(self._row_movers, devs, lambda d: movers.RowMovers(shard, d, b))
 
   def slot_movers(self, devices=None) -> dict:
-    """{device: elastic.SlotMovers}, as row_movers."""
+    """{device: movers.SlotMovers}, as row_movers."""
     s = self.spec.expert_slots
     shard = {k: jax.ShapeDtypeStruct((v.shape[0], s) + v.shape[2:], v.dtype)
              for k, v in self._abs[1].items()}
     devs = [self.devices[w] for w in self.chain] if devices is None else devices
-    return self._movers(self._slot_movers, devs, lambda d: elastic.SlotMovers(shard, d, s))
+    return self._movers(self._slot_movers, devs, lambda d: movers.SlotMovers(shard, d, s))
 
   def row_movers_ready(self, devices=None) -> bool:
     """Are the single-device sequence movers of `devices` (default: the chain's) compiled?"""
