@@ -1,4 +1,6 @@
-"""Carrying out a release or a migration: new mesh, moved experts, reassembled caches.
+"""Carrying out a release or a migration: all their data movement (new mesh, moved experts,
+reassembled decode state). `release` and `migrate` take the engine's arrays explicitly and
+return the new ones; the Engine only forwards to them.
 
 The plan (which workers go, which sequences move) comes from policy/; this module only executes
 it, with transfers that can be counted:
@@ -13,131 +15,19 @@ it, with transfers that can be counted:
 - a migrated sequence (compaction) moves its KV rows and slot state the same way: a single-device
   `take`, one transfer, a donating `put` (RowMovers; multi-controller: the SPMD steps).
 The SPMD movers are compiled per mesh ahead of time with the decode step (StepSet.compile), the
-single-device ones per device (SlotMovers, RowMovers), both off the critical path.
+single-device ones per device (SlotMovers, RowMovers), both off the critical path (movers.py).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 
 from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax.model import transformer as tfm
-
-
-def _row_axis_of(name: str) -> int:
-  """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
-  return 1 if name in ("k", "v", *tfm.EXPERT_KEYS) else 0
-
-
-def _extract_local(tree, idx_1):
-  i = jnp.maximum(idx_1[0], 0)
-  return {name: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=_row_axis_of(name))
-          for name, a in tree.items()}
-
-
-def _insert_local(tree, rows, idx_1):
-  out = {}
-  for name, a in tree.items():
-    ax = _row_axis_of(name)
-    i = jnp.where(idx_1[0] >= 0, idx_1[0], a.shape[ax])  # out of range: dropped (no-op)
-    index = (slice(None),) * ax + (i,)
-    out[name] = a.at[index].set(jax.lax.index_in_dim(rows[name], 0, ax, keepdims=False),
-                                mode="drop")
-  return out
-
-
-def compile_movers(stepset) -> dict:
-  """extract/insert executables for expert slots and for sequence slots on this mesh."""
-  mesh = stepset.mesh
-  w = mesh_lib.batch_spec(1)  # one mover index per worker
-  idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=mesh_lib.named(mesh, w))
-  out = {}
-  groups = {
-      "experts": stepset.abstract_experts,
-      "slots": {"k": stepset.abstract_kv, "v": stepset.abstract_kv, **stepset.abstract_state},
-  }
-  for group, tree in groups.items():
-    specs = {k: v.sharding.spec for k, v in tree.items()}
-    ext = jax.jit(jax.shard_map(_extract_local, mesh=mesh, in_specs=(specs, w), out_specs=specs,
-                                check_vma=False))
-    rows_abs = jax.eval_shape(ext, tree, idx_abs)
-    rows_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tree[k].sharding)
-                for k, v in rows_abs.items()}
-    ins = jax.jit(jax.shard_map(_insert_local, mesh=mesh, in_specs=(specs, specs, w),
-                                out_specs=specs, check_vma=False), donate_argnums=0)
-    out[f"extract_{group}"] = ext.lower(tree, idx_abs).compile()
-    out[f"insert_{group}"] = ins.lower(tree, rows_abs, idx_abs).compile()
-    out[f"rows_{group}"] = rows_abs
-  # No placeholder buffers per mesh: a mover that needs filler rows takes them from its own
-  # extract, so a mesh's build leaves nothing on its devices that the memory floor does not count.
-  return out
-
-
-class SlotMovers:
-  """Single-device movers of expert slots, for one device's shard {name: [L, S, ...]}: only the
-  devices an expert leaves or joins run anything (an SPMD step costs every device of the mesh a
-  launch, which on emulated devices is most of a release). A taken slot is one flat buffer
-  holding all its weights: one transfer per moved expert."""
-
-  def __init__(self, shard_abstract: dict, device: jax.Device, slots: int):
-    sh = SingleDeviceSharding(device)
-    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
-            for k, v in shard_abstract.items()}
-    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
-    # (traced dicts iterate in sorted key order: so do the offsets)
-    row_shapes = {k: (v.shape[0], 1) + v.shape[2:] for k, v in sorted(tree.items())}
-    ends = np.cumsum([int(np.prod(r)) for r in row_shapes.values()])
-
-    def take(t, i):
-      return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1).reshape(-1)
-                              for x in t.values()])
-
-    def put(t, row, i):
-      parts = jnp.split(row, ends[:-1])
-      return {k: jax.lax.dynamic_update_slice_in_dim(x, p.reshape(row_shapes[k]), i, axis=1)
-              for (k, x), p in zip(t.items(), parts)}
-
-    self.take = jax.jit(take).lower(tree, idx).compile()
-    row = jax.ShapeDtypeStruct((int(ends[-1]),), next(iter(tree.values())).dtype, sharding=sh)
-    self.put = jax.jit(put, donate_argnums=0).lower(tree, row, idx).compile()
-    # Slot indices already on the device (a host scalar would cost a transfer per call).
-    self.slot = [jax.device_put(np.int32(s), device) for s in range(slots)]
-    # First executions compile XLA:CPU kernels: run both once here, on placeholders.
-    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
-    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
-
-
-class RowMovers:
-  """Single-device movers of sequence slots (compaction), for one device's shard of the KV cache
-  and slot state {name: [.., B, ..]} (row axis per `_row_axis_of`): a migrated sequence costs a
-  `take` on its source device, one transfer and a `put` on its destination, instead of an SPMD
-  extract and insert on every device of the mesh per round."""
-
-  def __init__(self, shard_abstract: dict, device: jax.Device, rows: int):
-    sh = SingleDeviceSharding(device)
-    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
-            for k, v in shard_abstract.items()}
-    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
-
-    def take(t, i):
-      return {k: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=_row_axis_of(k)) for k, x in t.items()}
-
-    def put(t, row, i):
-      return {k: jax.lax.dynamic_update_slice_in_dim(x, row[k], i, axis=_row_axis_of(k))
-              for k, x in t.items()}
-
-    self.take = jax.jit(take).lower(tree, idx).compile()
-    row_abs = jax.eval_shape(take, tree, idx)
-    row_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in row_abs.items()}
-    self.put = jax.jit(put, donate_argnums=0).lower(tree, row_abs, idx).compile()
-    self.slot = [jax.device_put(np.int32(r), device) for r in range(rows)]
-    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
-    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
 
 
 def move_rounds(moves: Sequence[tuple]):
@@ -160,8 +50,8 @@ def move_rounds(moves: Sequence[tuple]):
     yield rnd
 
 
-def move_slots(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
-  """Move slots (experts: SlotMovers; sequences: RowMovers) between devices: `shards` is
+def move_on_devices(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
+  """Move expert slots (SlotMovers) or sequence rows (RowMovers) between devices: `shards` is
   {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
   slot), `movers` {device: movers}. Source slots are left
   as they are. Returns the bytes transferred."""
@@ -251,7 +141,7 @@ def move_rows(stepset, group: str, tree: dict, moves: Sequence[tuple[int, int, i
   devs = list(mesh.devices.reshape(-1))
   n = len(devs)
   wsh = mesh_lib.named(mesh, mesh_lib.batch_spec(1))
-  rows_abs = stepset[f"rows_{group}"]
+  rows_abs = stepset[f"taken_{group}"]
   moved_bytes = 0
   for rnd in move_rounds(moves):
     src_idx = np.full((n,), -1, np.int32)
@@ -286,3 +176,132 @@ def shrink_tree(tree: dict, target_abstract: dict) -> dict:
   the survivors' buffers are reused as they are."""
   return {k: reassemble(v, target_abstract[k].sharding, target_abstract[k].shape)
           for k, v in tree.items()}
+
+
+# ----------------------------------------------------------------------------- a plan, carried out
+
+
+def _move_by_device(tree: dict, target: dict, devices, moves, movers) -> tuple[dict, int]:
+  """Worker moves by the single-device movers; the arrays reassembled as `target` says (its
+  mesh, shapes). Returns (arrays, bytes sent)."""
+  shards = {k: shards_by_device(a) for k, a in tree.items()}
+  nbytes = move_on_devices(shards, [(devices[sw], s_, devices[dw], ds)
+                                    for sw, s_, dw, ds in moves], movers)
+  return {k: assemble(shards[k], t.sharding, t.shape, t.dtype) for k, t in target.items()}, nbytes
+
+
+def migrate(steps, devices: Sequence, active: Sequence[int], state, moves) -> tuple:
+  """Move live sequences (src worker, src decode slot, dst worker, dst decode slot) between the
+  active workers: their sequence rows of the decode state `state` (an engine DecodeState; its KV
+  rows and scalars). `steps`: the engine's StepCache. Returns (new state, KV bytes sent)."""
+  b = steps.spec.slots_per_worker
+  tree = state.as_dict()
+  touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
+  if jax.process_count() == 1 and steps.row_movers_ready(touched):
+    tree, nbytes = _move_by_device(tree, tree, devices, moves, steps.row_movers(()))
+  else:  # multi-controller, or no movers compiled for these devices: SPMD extract/insert
+    pos = {w: i for i, w in enumerate(active)}
+    rows = [(pos[sw], s_, pos[dw], ds) for sw, s_, dw, ds in moves]
+    tree, nbytes = move_rows(steps.get(len(active)), "rows", tree, rows)
+  state = state.replace(**tree)
+  rows_total = len(active) * b
+  kv_per_row = (state.k.nbytes + state.v.nbytes) // rows_total
+  rest_per_row = sum(a.nbytes for k, a in state.as_dict().items() if k not in ("k", "v")) \
+      // rows_total
+  return state, int(nbytes * kv_per_row // (kv_per_row + rest_per_row))
+
+
+@dataclasses.dataclass
+class Release:
+  """What `release` did: the arrays over the smaller mesh and what moved."""
+  experts: dict
+  state: Any
+  placement: Any  # the new placement.ExpertPlacement
+  released: list
+  expert_moves: int
+  expert_bytes: int
+
+
+def release(steps, devices: Sequence, active: Sequence[int], new_active: Sequence[int],
+            placement, experts: dict, state) -> Release:
+  """Carry out a release: the workers of `active` not in `new_active` leave. Only the experts that
+  lived on released workers move, into empty expert slots of the survivors
+  (ExpertPlacement.after_release); the survivors' expert slots and sequence rows of `state` are
+  reassembled over the smaller mesh from their existing buffers. No host sync: the movers and the
+  first step on the new mesh queue back to back."""
+  active, new_active = list(active), list(new_active)
+  new_ss = steps.get(len(new_active))
+  released = [w for w in active if w not in new_active]
+  new_placement = placement.after_release(released, new_active)
+  # (src worker, src slot, dst worker, dst slot) of every expert that leaves a released worker
+  moves = [(*a, *b) for _, a, b in new_placement.moves_since(placement)]
+  touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
+  if jax.process_count() > 1 or not steps.slot_movers_ready(touched):
+    # multi-controller, or a release the mover plan did not foresee: SPMD extract/insert
+    experts, moved = _move_experts_spmd(steps.get(len(active)), new_ss, devices, active,
+                                        new_active, experts, moves)
+  else:
+    experts, moved = _move_by_device(experts, new_ss.abstract_experts, devices, moves,
+                                     steps.slot_movers(()))
+  state = state.replace(**shrink_tree(state.as_dict(), new_ss.abstract_state.as_dict()))
+  return Release(experts=experts, state=state, placement=new_placement, released=released,
+                 expert_moves=len(moves), expert_bytes=int(moved))
+
+
+def _move_experts_spmd(old_ss, new_ss, devices, active, new_active, experts, moves):
+  """Expert moves by the StepSets' SPMD steps: extract on the old mesh, a transfer (one
+  process: a device_put per moved expert; multi-controller, where a cross-host device_put is
+  not implemented: a ppermute over the old mesh, route_rows), SPMD insert into the survivors'
+  empty expert slots on the new mesh. Returns (experts over the new mesh, bytes this process
+  counted)."""
+  old_pos = {w: i for i, w in enumerate(active)}
+  new_pos = {w: i for i, w in enumerate(new_active)}
+  moved_bytes = 0
+  pieces = []  # (dst worker, dst slot, {name: buffer on dst, None on another process})
+  devs_old = list(old_ss.mesh.devices.reshape(-1))
+  taken = None
+  # One extract per source device and one block per destination device in each round.
+  for rnd in move_rounds([(old_pos[sw], ss_, dw, ds) for sw, ss_, dw, ds in moves]):
+    # Cut the moving experts out on the old mesh.
+    idx = np.full((len(active),), -1, np.int32)
+    for sp, sslot, _, _ in rnd:
+      idx[sp] = sslot
+    taken = old_ss["extract_experts"](experts, jax.device_put(idx, old_ss.worker_sharding))
+    if jax.process_count() == 1:
+      local = {name: shards_by_device(r) for name, r in taken.items()}
+      for sp, _, dw, ds in rnd:
+        sent = {name: jax.device_put(local[name][devs_old[sp]], devices[dw]) for name in taken}
+        moved_bytes += sum(a.nbytes for a in sent.values())
+        pieces.append((dw, ds, sent))
+      continue
+    routed = route_rows(taken, {sp: devices[dw] for sp, _, dw, _ in rnd}, devs_old)
+    for sp, _, dw, ds in rnd:
+      moved_bytes += sum(a.nbytes // len(devs_old) for a in taken.values())
+      pieces.append((dw, ds, {name: r.get(devices[dw]) for name, r in routed.items()}))
+  experts = shrink_tree(experts, new_ss.abstract_experts)
+  # Write the moved experts into empty expert slots of the survivors (donated, in place).
+  taken_abs = new_ss["taken_experts"]
+  devs_new = list(new_ss.mesh.devices.reshape(-1))
+  # Workers that receive nothing in a round get a block of the last extract as filler (their
+  # index is -1: the insert drops it); the extract's blocks have a shard on every survivor.
+  filler = taken
+  while pieces:
+    idx = np.full((len(new_active),), -1, np.int32)
+    busy, later, rnd = set(), [], []
+    for pc in pieces:
+      (later if pc[0] in busy else rnd).append(pc)
+      busy.add(pc[0])
+    pieces = later
+    block = {}
+    for name in taken_abs:
+      bufs = {}
+      for dw, ds, b in rnd:
+        if b[name] is not None:  # None: the destination is another process's device
+          bufs[devs_new[new_pos[dw]]] = b[name]
+      block[name] = reassemble(filler[name], taken_abs[name].sharding, taken_abs[name].shape,
+                               bufs)
+    for dw, ds, _ in rnd:
+      idx[new_pos[dw]] = ds
+    experts = new_ss["insert_experts"](experts, block,
+                                       jax.device_put(idx, new_ss.worker_sharding))
+  return experts, moved_bytes

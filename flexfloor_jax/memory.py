@@ -7,9 +7,9 @@ Bytes one device of the active group holds:
   the floor, the same on every mesh size;
 - non-expert: every other weight, replicated;
 - KV: the KV caches of the worker's decode slots and their slot state (tokens, log-probs, ...);
-- workspace: what a release or a migration holds in flight on a device. elastic.move_slots moves
-  in rounds that touch a device at most once as source and once as destination, one expert slot
-  (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows may
+- workspace: what a release or a migration holds in flight on a device. elastic.move_on_devices
+  moves in rounds that touch a device at most once as source and once as destination, one expert
+  slot (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows may
   still be alive when the next one's arrive: 2 expert slots + 2 sequence rows.
 XLA's temporaries inside a compiled step are not live arrays and are not counted here (on a device,
 `compiled.memory_analysis()` reports them).

@@ -79,12 +79,15 @@ class Built:
   engine: Any
   cplan: Any  # compile_plan.CompilePlan, None without releases
   plan_only: bool  # compile (and wait for) only the sizes the plan expects
+  close_steps: bool = True  # the run's StepCache is not the caller's: close it after the run
 
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         write_outputs: bool = True, history: Optional[LengthHistory] = None,
         step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
+  `step_cache`: an engine.StepCache (the caller's; kept open) or an engine.StepCachePool (the
+  cache of this run's spec is taken from it, and kept there for the next run).
   `on_release(devices, finished)`: called right after each release with the released devices and
   the responses finished so far, {(prompt_id, sample): tokens}; it must not block (RL: released
   workers score finished responses, rl/reuse.py).
@@ -111,7 +114,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       setup_s = time.perf_counter() - t_setup
       record = execute(prep, built.engine, policy, progress=progress, on_release=on_release)
     finally:
-      if step_cache is None:
+      if built.close_steps:
         built.engine.steps.close()
     compiles = dict(waited_for=waited, wait_s=wait_s, t_setup=t_setup)
     result = summarize(config, prep, built, policy, record, setup_s=setup_s, compiles=compiles)
@@ -246,12 +249,18 @@ def build_engine(config, prep: Prepared, *, params=None, step_cache=None) -> Bui
   # allow saved (README, Performance), and a release to them is held and reported instead.
   plan_only = (bool(cplan) and not r.wait_compiles and bool(r.get("wait_plan_compiles", True))
                and jax.process_count() == 1)
-  eng = engine_lib.Engine(engine_spec(config, prep), params, prep.devices, prep.chain,
+  spec = engine_spec(config, prep)
+  compile_threads = int(r.get("compile_threads", 0))
+  pool = step_cache if isinstance(step_cache, engine_lib.StepCachePool) else None
+  if pool is not None:  # the pool's cache for this spec (kept across runs); closed after the run
+    step_cache = pool.get(spec, prep.devices, prep.chain, *engine_lib.abstract_split(params),
+                          compile_threads=compile_threads)
+  eng = engine_lib.Engine(spec, params, prep.devices, prep.chain,
                           prep.placement, seed=config.sampling.seed, epoch=r.epoch,
                           step_cache=step_cache,
                           prefetch_sizes=(cplan.expected if plan_only else cplan.order)
                           if cplan else [],
-                          compile_threads=int(r.get("compile_threads", 0)),
+                          compile_threads=compile_threads,
                           mover_plan=cplan.movers if cplan else None)
   by_prompt = {p.prompt_id: p for p in prep.prompts}
   eng.add_sequences({s.seq_id: engine_lib.SeqInput(
@@ -259,7 +268,8 @@ def build_engine(config, prep: Prepared, *, params=None, step_cache=None) -> Bui
       limit=s.target_len or s.max_new_tokens, stop_eos=prep.mode == "model",
       phash=prompt_hash(s.prompt_id), sample=s.sample, fixed_length=s.target_len is not None)
       for s in prep.seqs})
-  return Built(engine=eng, cplan=cplan, plan_only=plan_only)
+  return Built(engine=eng, cplan=cplan, plan_only=plan_only,
+               close_steps=pool is not None or step_cache is None)
 
 
 def wait_for_compiles(config, prep: Prepared, built: Built):

@@ -18,7 +18,7 @@ from flexfloor_jax.cli import load_config
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.moe import EPConfig, ep_moe
-from flexfloor_jax.policy.planner import ExpertPlacement
+from flexfloor_jax.policy.placement import ExpertPlacement
 
 EP = mesh_lib.EP_AXIS
 # The tiny preset with 2 layers (fp32): compiles in seconds on 2 cores.

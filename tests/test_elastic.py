@@ -17,7 +17,8 @@ from flexfloor_jax import rollout_inputs
 from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
-from flexfloor_jax.policy import planner
+from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.sampling import SamplingParams
 
 MODEL = PRESETS["tiny"].replace(num_layers=2)
@@ -72,8 +73,7 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
   flex = run(c, params, tmp_path, "flex")
   # balanced places by predicted length: with no history every prediction is equal and LPT
   # reproduces static's chunks here, so it gets a history in which later prompts ran longer
-  from flexfloor_jax.policy import scheduler
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   for i, pid in enumerate(sorted({r["prompt_id"] for r in static.responses})):
     hist.add(pid, 0, [1 + 4 * i + j for j in range(c.rollout.samples_per_prompt)])
   c.schedule = "balanced"
@@ -110,7 +110,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=4, max_seq_len=96,
                                max_prompt_len=48, max_new_tokens=32,
                                sampling=SamplingParams(1.0, 1.0, 0))
-  placement = planner.ExpertPlacement.initial(MODEL.num_experts, chain, 4, num_workers=8)
+  placement = ExpertPlacement.initial(MODEL.num_experts, chain, 4, num_workers=8)
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=0,
                           prefetch_sizes=[6])
   rng = np.random.default_rng(0)
@@ -122,22 +122,23 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   # A migration (compaction) by the single-device movers equals the SPMD extract/insert path.
   eng.steps.wait_all()
   assert eng.steps.row_movers_ready()
-  tree = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  tree = eng.state.as_dict()
   copy = jax.tree.map(lambda a: a.copy(), tree)
-  spmd, spmd_bytes = elastic.move_rows(eng.stepset, "slots", copy, [(7, 1, 5, 0)])
+  spmd, spmd_bytes = elastic.move_rows(eng.stepset, "rows", copy, [(7, 1, 5, 0)])
   kv_bytes = eng.migrate([(7, 1, 5, 0)])
-  moved = {"k": eng.cache_k, "v": eng.cache_v, **eng.state}
+  moved = eng.state.as_dict()
   for k in tree:
     np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(spmd[k]), err_msg=k)
-  row = lambda a: a.nbytes // a.shape[1]  # one slot of the cache (all layers)
-  assert kv_bytes == row(eng.cache_k) + row(eng.cache_v) > 0
-  assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for a in eng.state.values())
+  row = lambda a: a.nbytes // a.shape[1]  # one sequence row of the cache (all layers)
+  assert kv_bytes == row(eng.state.k) + row(eng.state.v) > 0
+  assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for k, a in moved.items()
+                                      if k not in ("k", "v"))
 
   def pointers(arr):
     return {s.device.id: s.data.unsafe_buffer_pointer() for s in arr.addressable_shards}
 
-  before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                        "slots": eng.state["slots"]}.items()}
+  before = {k: pointers(v) for k, v in {**eng.experts, "k": eng.state.k, "v": eng.state.v,
+                                        "scalars": eng.state.scalars}.items()}
   held = placement.slot_expert()
   released = [0, 1]
   expected = sum(int((held[w] >= 0).sum()) for w in released) * sum(
@@ -145,8 +146,8 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   stats = eng.shrink(chain[2:])
   assert stats["expert_bytes_moved"] == expected > 0
   survivors = {devices[w].id for w in chain[2:]}
-  after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.cache_k, "v": eng.cache_v,
-                                       "slots": eng.state["slots"]}.items()}
+  after = {k: pointers(v) for k, v in {**eng.experts, "k": eng.state.k, "v": eng.state.v,
+                                       "scalars": eng.state.scalars}.items()}
   for k in before:
     assert set(after[k]) == survivors
     for d in survivors:
@@ -259,18 +260,17 @@ def test_pallas_backend_matches_xla(params, tmp_path):
 def test_measured_step_times_drive_the_next_run(params, tmp_path):
   """The engine's per-size decode step times go into the length history; the next run's release
   policy decides on them (the time-aware floor's measured source)."""
-  from flexfloor_jax.policy import scheduler
   c = get_config()
   c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.scheduler.step_cost = "measured"  # 'auto' decides on device-steps on emulated CPU devices
-  hist = scheduler.LengthHistory()
+  hist = LengthHistory()
   first = run(c, params, tmp_path, "first", history=hist)
   assert first.summary["cost_model"] is None  # nothing measured before the first run
   measured = {int(k): v for k, v in first.summary["step_seconds_measured"].items()}
   assert len(measured) >= 2 and hist.step_seconds == measured
   path = tmp_path / "history.json"
   hist.save(str(path))
-  back = scheduler.LengthHistory.load(str(path))
+  back = LengthHistory.load(str(path))
   assert back.step_seconds == measured
   second = run(c, params, tmp_path, "second", history=back)
   assert second.summary["step_cost"] == "measured"
@@ -399,7 +399,7 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
   spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=slots, max_seq_len=96,
                                max_prompt_len=48, max_new_tokens=32,
                                sampling=SamplingParams(1.0, 1.0, 0), warm_up=False)
-  placement = planner.ExpertPlacement.initial(e, chain, slots, num_workers=8)
+  placement = ExpertPlacement.initial(e, chain, slots, num_workers=8)
   host_params = jax.tree.map(np.asarray, params)  # no device buffer that the engine could alias
   eng = engine_lib.Engine(spec, host_params, devices, chain, placement, seed=0,
                           prefetch_sizes=range(7, 1, -1))
@@ -409,7 +409,7 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
   for n in range(8, 1, -1):
     if n < 8:
       eng.shrink(chain[8 - n:])
-    jax.block_until_ready((eng.experts, eng.cache_k, eng.state))
+    jax.block_until_ready((eng.experts, eng.state))
     gc.collect()
     live = _live_bytes({id(a) for a in before})
     for w in chain[8 - n:]:

@@ -184,14 +184,16 @@ def test_rl_step_released_logprobs_shorten_the_step():
 
 
 def _rollout(pool, seed: int, schedule: str = "flexfloor"):
-  from flexfloor_jax import bench, runner
-  c = bench.run_config(bench.get_bench_config(), dict(schedule=schedule, placement="auto"), 0)
+  from flexfloor_jax import runner
+  from flexfloor_jax.bench import runs as bench_runs
+  c = bench_runs.run_config(bench_runs.get_bench_config(), dict(schedule=schedule,
+                                                                placement="auto"), 0)
   c.sampling.seed = seed  # also the workload seed: another workload
   c.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)
   hist = LengthHistory()
-  seqs, model_cfg = bench._seqs_for(c)
-  with pool.installed():
-    res = runner.run(c, write_outputs=False, history=LengthHistory(), progress=False)
+  seqs, model_cfg = bench_runs.seqs_for(c)
+  res = runner.run(c, write_outputs=False, history=LengthHistory(), progress=False,
+                   step_cache=pool)
   s = res.summary
   return records.make_run_record(
       name=f"{schedule}_seed{seed}", epoch=0, seqs=seqs,
@@ -207,7 +209,7 @@ def test_cpu_preset_fitted_on_one_workload_predicts_another():
   """Two real rollouts on different workloads (seeds): the cpu preset fitted on the first
   predicts the second's device_steps exactly (same policy code) and wall time within 25%."""
   from flexfloor_jax import engine
-  pool = engine.StepCachePool(engine)
+  pool = engine.StepCachePool()
   # the process's first rollout also pays one-time costs (XLA:CPU compiles kernels at their first
   # execution) that a per-step cost model does not describe: fit on a warm run
   _rollout(pool, seed=0)

@@ -112,8 +112,7 @@ def _run_epoch(config, k: int, history, pool, progress: bool) -> dict:
       c = run_config(config, v, k)
       before = copy.deepcopy(history)
       h = copy.deepcopy(history)  # the runner adds this run's lengths to it
-      with pool.installed():
-        res = runner.run(c, write_outputs=False, history=h, progress=False)
+      res = runner.run(c, write_outputs=False, history=h, progress=False, step_cache=pool)
       runs[name].append((c, res, before, h))
       bar.update(1)
   bar.close()
@@ -151,7 +150,7 @@ def run_bench(config, *, progress: bool = True):
   from flexfloor_jax.sim import presets, records as sim_records
 
   validate_bench(config)
-  pool = engine_lib.StepCachePool(engine_lib)
+  pool = engine_lib.StepCachePool()
   hw = presets.HARDWARE[config.roofline_hardware]
   history = LengthHistory()
   names = [n for n, _ in variants(config)]

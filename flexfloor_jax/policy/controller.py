@@ -52,6 +52,27 @@ class Finish:
   reason: str  # 'length' | 'eos' | 'target'
 
 
+def finish_reason(num_tokens: int, limit: int, *, target: bool, eos: bool) -> str:
+  """Why a sequence finished, the one rule for the engine and the step simulator: 'eos' when it
+  stopped on an EOS token before its limit (`eos`: it stops at EOS and its last token is one),
+  else 'target' for a fixed-length target (workload lengths) or 'length' (max_new_tokens)."""
+  if eos and num_tokens < limit:
+    return 'eos'
+  return 'target' if target else 'length'
+
+
+def dispatch_stops(finished: list[int], live: set[int], active: list[int],
+                   stop_on_refill: np.ndarray, stop_on_idle: np.ndarray) -> bool:
+  """Does a decode dispatch stop after a step in which the workers `finished` each had a slot
+  finish (one entry per finish), leaving `live` as the workers with live slots? The rule of
+  Executor.decode (masks by position in `active`); the engine's device loop runs it on device."""
+  if not live:
+    return True
+  pos = {w: i for i, w in enumerate(active)}
+  return any(stop_on_refill[pos[w]] or (stop_on_idle[pos[w]] and w not in live)
+             for w in finished)
+
+
 class Executor(Protocol):
   """What the engine implements. `slots_per_worker` (B) is the same on every worker."""
   slots_per_worker: int

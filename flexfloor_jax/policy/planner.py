@@ -37,8 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexfloor_jax.policy.controller import Plan, Seq, State
-# ExpertPlacement lives in policy/placement; kept importable here for callers not yet switched
-from flexfloor_jax.policy.placement import ExpertPlacement  # noqa: F401
 
 
 def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> float:

@@ -13,8 +13,7 @@ import numpy as np
 
 from flexfloor_jax.policy import planner, stepsim
 from flexfloor_jax.policy.controller import Seq
-# HistoryError lives in policy/history; kept importable here for callers not yet switched
-from flexfloor_jax.policy.history import HistoryError, LengthHistory  # noqa: F401
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.prediction import predict, sample_scenarios
 
 

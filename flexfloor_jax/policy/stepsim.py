@@ -12,7 +12,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from flexfloor_jax.policy.controller import Finish, Seq, run
+from flexfloor_jax.policy.controller import Finish, Seq, finish_reason, run
 
 
 class SimError(RuntimeError):
@@ -62,10 +62,10 @@ class SimExecutor:
     return list(self._active)
 
   def _reason(self, q: int) -> str:
+    """A response shorter than its cap and not at its target ended on EOS (not modelled)."""
     s = self.seqs[q]
-    if s.target_len is not None and self.length[q] == min(s.target_len, s.max_new_tokens):
-      return 'target'
-    return 'length' if self.length[q] >= s.max_new_tokens else 'eos'
+    target = s.target_len is not None and self.length[q] == min(s.target_len, s.max_new_tokens)
+    return finish_reason(self.length[q], s.max_new_tokens, target=target, eos=not target)
 
   def _live_slots(self) -> int:
     return sum(q >= 0 for w in self._active for q in self.slot_seq[w])

@@ -278,7 +278,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
 
   t_max = config.rollout.max_prompt_len + config.rollout.max_new_tokens
   g = config.rollout.samples_per_prompt
-  pool = engine_lib.StepCachePool(engine_lib)  # compiled steps kept across the steps' rollouts
+  pool = engine_lib.StepCachePool()  # compiled steps kept across the steps' rollouts
   rollout_params = actor_lib.replicate(params, mesh)
   # Released workers score finished responses during the rollout (flexfloor; one process).
   scorer = None
@@ -296,14 +296,13 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
     c.rollout.epoch = step - 1
     c.rollout.output_dir = out
     c.rollout.record_routes = bool(rl.routing_replay)
-    with pool.installed():
-      t0 = time.perf_counter()
-      if scorer is not None:
-        scorer.reset(params, prompt_tokens)
-      res = runner.run(c, devices=devices, params=rollout_params, model_cfg=model_cfg,
-                       tokenizer=tokenizer, write_outputs=False, history=history,
-                       progress=progress, on_release=scorer and scorer.on_release)
-      t_gen = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if scorer is not None:
+      scorer.reset(params, prompt_tokens)
+    res = runner.run(c, devices=devices, params=rollout_params, model_cfg=model_cfg,
+                     tokenizer=tokenizer, write_outputs=False, history=history,
+                     progress=progress, on_release=scorer and scorer.on_release, step_cache=pool)
+    t_gen = time.perf_counter() - t0
     history.save(history_path)
     resp = res.responses
     rewards = np.array([float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in resp])

@@ -1,0 +1,223 @@
+"""The Engine: prefill / insert / decode on the active workers and read the results back; a
+thin executor over the typed decode state (state.py) and the compiled steps (step_set.py).
+
+Every worker owns B decode slots with a fixed-length KV cache. One compiled prefill step fills at
+most one decode slot per worker; one compiled decode dispatch runs up to `max_steps` decode steps
+on all active workers inside a `lax.while_loop`, stopping early when the caller asked to hear
+about a finish. The engine knows how to change its mesh (elastic.release / elastic.migrate do
+it), never why; finish reasons and the stop rule come from policy/controller.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flexfloor_jax import distributed
+from flexfloor_jax import elastic
+from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.engine import state as state_lib
+from flexfloor_jax.engine.spec import EngineSpec, SeqInput, SeqOutput, slot_layout, split_params
+from flexfloor_jax.engine.step_set import StepCache, StepSet
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.policy.controller import Finish, dispatch_stops, finish_reason
+from flexfloor_jax.policy.placement import ExpertPlacement
+
+
+class Engine:
+  """Executes prefill / decode / migrate / shrink on the active workers. Worker ids are indices
+  into `devices`; the active workers are always a tail of `chain` (release order)."""
+
+  def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[jax.Device],
+               chain: Sequence[int], placement: ExpertPlacement, *, seed: int = 0,
+               epoch: int = 0, step_cache: Optional[StepCache] = None,
+               prefetch_sizes: Sequence[int] = (), compile_threads: int = 0,
+               mover_plan: Optional[dict] = None):
+    """`prefetch_sizes`: the smaller meshes to compile, in the order they should be ready;
+    `mover_plan`: StepCache.plan_movers's argument (None: movers for every device)."""
+    self.spec, self.seed, self.epoch = spec, int(seed), int(epoch)
+    self.devices, self.chain = list(devices), list(chain)
+    rest, experts = split_params(params)
+    rest_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), rest)
+    exp_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), experts)
+    self.steps = step_cache or StepCache(spec, devices, chain, rest_abs, exp_abs,
+                                         compile_threads=compile_threads)
+    n = len(self.chain)
+    self.active = list(self.chain)
+    if mover_plan is not None:
+      self.steps.plan_movers(mover_plan)
+    self.steps.prefetch([n, *[m for m in prefetch_sizes if m != n]])
+    ss = self.steps.get(n)
+    self.rest = jax.device_put(rest, ss.rest_sharding)
+    # The replicated weights never change: their views over every smaller mesh (the same
+    # buffers) are made now, not when a release waits for them.
+    self._rest_views = {m: jax.tree.map(
+        lambda a: elastic.reassemble(a, mesh_lib.replicated(self.steps.mesh_for(m)), a.shape),
+        self.rest) for m in range(1, n)}
+    self.experts = slot_layout(experts, placement.slot_expert()[self.active],
+                               ss.expert_sharding["w1"])
+    self.set_placement(placement)
+    self.state = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding),
+                              ss.abstract_state)
+    self.seqs: dict[int, SeqInput] = {}
+    self.outputs: dict[int, SeqOutput] = {}
+    self._seq_in_slot: dict[tuple[int, int], int] = {}  # (worker, decode slot) -> live seq id
+    self.expert_counts = np.zeros((spec.cfg.num_experts,), np.int64)
+    self.compiles_after_start = 0
+    self._pending_release_t0: Optional[float] = None
+    self._migrate_t0: Optional[float] = None  # a plan's migration: its release decision time
+    self.release_latencies: list[float] = []
+    self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
+
+  # -- setup
+  @property
+  def stepset(self) -> StepSet:
+    return self.steps.get(len(self.active))
+
+  def set_placement(self, placement: ExpertPlacement):
+    self.placement = placement
+    self.e2s = placement.expert_to_slot(self.active).astype(np.int32)  # sent with each step
+
+  def add_sequences(self, seqs: dict[int, SeqInput]):
+    lp = self.spec.max_prompt_len
+    for sid, s in seqs.items():
+      if len(s.tokens) > lp:
+        raise ValueError(f"sequence {sid}: prompt of {len(s.tokens)} tokens exceeds "
+                         f"max_prompt_len={lp}")
+      if len(s.tokens) + s.limit > self.spec.max_seq_len:
+        raise ValueError(f"sequence {sid}: prompt {len(s.tokens)} + {s.limit} new tokens "
+                         f"exceeds model.max_seq_len={self.spec.max_seq_len}")
+    self.seqs.update(seqs)
+
+  def active_workers(self) -> list[int]:
+    return list(self.active)
+
+  def _pos(self, worker: int) -> int:
+    return self.active.index(worker)
+
+  def _read(self, *arrays) -> list:
+    """Host values of device arrays, the same on every process (multi-controller: gathered,
+    and passed through the key-value store to processes whose workers were all released)."""
+    return distributed.host_values(arrays)
+
+  # -- steps
+  def prefill(self, assign: Sequence[tuple[int, int, int]]) -> list[Finish]:
+    """Insert sequences (worker, decode slot, seq id), at most one per worker: one prefill step
+    that also samples each one's first token."""
+    self._migrate_t0 = None  # a migration without a release
+    workers = [w for w, _, _ in assign]
+    if len(set(workers)) != len(workers):
+      raise ValueError(f"two prefills for one worker in one step: {list(assign)}")
+    host = state_lib.prefill_host(self.spec.max_prompt_len, len(self.active), self.seed,
+                                  self.epoch, [(self._pos(w), s, self.seqs[sid])
+                                               for w, s, sid in assign])
+    for w, s, sid in assign:
+      self._seq_in_slot[(w, s)] = sid
+    ss = self.stepset
+    self.state, counts = ss["prefill"](self.rest, self.experts, self.state,
+                                       ss.put_host(host, self.e2s))
+    self.expert_counts += self._read(counts)[0]
+    if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
+      self._first_output_on_new_mesh(self.state)
+    return self._read_finishes()
+
+  def decode(self, max_steps: int, stop_on_refill, stop_on_idle) -> tuple[int, list[Finish]]:
+    """Up to `max_steps` decode steps on all active workers (stop masks by worker position)."""
+    self._migrate_t0 = None
+    ss = self.stepset
+    host = lambda k: ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle), self.e2s)
+    total, finishes = 0, []
+    if self._pending_release_t0 is not None and max_steps > 0:
+      # First step on a new mesh alone, to time release decision -> first output.
+      out = ss["decode"](self.rest, self.experts, self.state, host(1))
+      self._first_output_on_new_mesh(out)
+      self.state, steps, counts = out
+      steps, counts = self._read(steps, counts)
+      self.expert_counts += counts
+      total = int(steps)
+      finishes = self._read_finishes()
+      live = {w for w, _ in self._seq_in_slot}
+      if total == 0 or max_steps == 1 or dispatch_stops(
+          [f.worker for f in finishes], live, self.active, stop_on_refill, stop_on_idle):
+        return total, finishes
+      max_steps -= 1
+    self.state, steps, counts = ss["decode"](self.rest, self.experts, self.state, host(max_steps))
+    steps, counts = self._read(steps, counts)
+    self.expert_counts += counts
+    return total + int(steps), finishes + self._read_finishes()
+
+  def _first_output_on_new_mesh(self, out):
+    """Release decision -> first output on the new mesh (block_until_ready), recorded once."""
+    jax.block_until_ready(out)
+    self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
+    self.release_sizes.append(len(self.active))
+    self._pending_release_t0 = None
+
+  def _read_finishes(self) -> list[Finish]:
+    """Results of the sequences finished since the last call (into `outputs`): the small
+    scalars array is read every time, the outputs only when something finished."""
+    scalars, = self._read(self.state.scalars)
+    live = scalars[:, state_lib.SCALAR_COLS.index("live")]
+    n_gen = scalars[:, state_lib.SCALAR_COLS.index("n_gen")]
+    b = self.spec.slots_per_worker
+    done = [(w, s, sid) for (w, s), sid in self._seq_in_slot.items()
+            if not live[self._pos(w) * b + s]]
+    if not done:
+      return []
+    toks, lps = self._read(self.state.out_tokens, self.state.out_logprobs)
+    routes = self._read(self.state.routes)[0] if self.state.routes is not None else None
+    out = []
+    for w, s, sid in done:
+      row = self._pos(w) * b + s  # the decode slot's sequence row
+      k = int(n_gen[row])
+      q = self.seqs[sid]
+      tk = toks[row, :k].tolist()
+      reason = finish_reason(k, q.limit, target=q.fixed_length,
+                             eos=bool(q.stop_eos and tk and tk[-1] == self.spec.cfg.eos_id))
+      fed = len(q.tokens) + k - 1  # positions that went through the model
+      self.outputs[sid] = SeqOutput(tk, lps[row, :k].tolist(), reason, w, s,
+                                    None if routes is None else routes[row, :fed].copy())
+      del self._seq_in_slot[(w, s)]
+      out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason))
+    return out
+
+  # -- elastic (elastic.py moves the data)
+  def migrate(self, moves: Sequence[tuple[int, int, int, int]]) -> int:
+    """Move live sequences (src_worker, src_slot, dst_worker, dst_slot); returns KV bytes sent."""
+    if not moves:
+      return 0
+    self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
+    self.state, kv_bytes = elastic.migrate(self.steps, self.devices, self.active, self.state,
+                                           moves)
+    for sw, s_, dw, ds in moves:
+      if (sw, s_) in self._seq_in_slot:
+        self._seq_in_slot[(dw, ds)] = self._seq_in_slot.pop((sw, s_))
+    return kv_bytes
+
+  def shrink(self, new_active: Sequence[int]) -> dict:
+    """Release the workers not in `new_active` (a tail of the chain, none holding a live
+    sequence): elastic.release moves the experts and reassembles the rest."""
+    t0 = time.perf_counter()
+    new_active = list(new_active)
+    if new_active != self.chain[len(self.chain) - len(new_active):]:
+      raise ValueError(f"active set {new_active} is not a tail of the release chain {self.chain}")
+    released = [w for w in self.active if w not in new_active]
+    live = [k for k in self._seq_in_slot if k[0] in released]
+    if live:
+      raise ValueError(f"workers {released} still hold live sequences {live}: migrate first")
+    n = len(new_active)
+    r = elastic.release(self.steps, self.devices, self.active, new_active, self.placement,
+                        self.experts, self.state)
+    self.rest = self._rest_views.pop(n)
+    self._rest_views = {m: v for m, v in self._rest_views.items() if m < n}
+    self.experts, self.state, self.active = r.experts, r.state, new_active
+    self.set_placement(r.placement)
+    # The latency counts from the decision: the plan's migrations when it had any.
+    self._pending_release_t0 = t0 if self._migrate_t0 is None else self._migrate_t0
+    self._migrate_t0 = None
+    return {"released": r.released, "expert_bytes_moved": r.expert_bytes,
+            "expert_moves": r.expert_moves, "shrink_seconds": time.perf_counter() - t0}

@@ -1,0 +1,124 @@
+"""What fixes the engine's compiled shapes and layouts: EngineSpec, the sequences it takes and
+gives back (SeqInput, SeqOutput), and the parameter layouts (non-expert / expert split, expert
+slots over the `ep` mesh, KV cache spec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
+from flexfloor_jax.model.moe import EPConfig, resolve_exchange
+from flexfloor_jax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """Everything that fixes compiled shapes (identical for every schedule: fairness)."""
+  cfg: ModelConfig
+  slots_per_worker: int  # B: decode slots per worker
+  expert_slots: int  # S: expert slots per worker, preallocated for the floor
+  max_seq_len: int  # KV cache length per decode slot (prompt + response)
+  max_prompt_len: int  # prefill width
+  max_new_tokens: int
+  sampling: SamplingParams
+  decode_tile_m: int = 8
+  prefill_tile_m: int = 32
+  chunk_tokens: int = 64
+  moe_backend: str = "auto"  # 'auto' | 'xla' | 'pallas' (model.config.resolve_moe_backend)
+  interpret: bool = False  # force Pallas interpret mode (the resolution picks it on CPU anyway)
+  warm_up: bool = True  # run each executable once at compile time (placeholder inputs)
+  record_routes: bool = False  # keep every token's top-k experts per layer (RL routing replay)
+  # EP token exchange: 'auto' ('ragged' on TPU/GPU, 'all_to_all' on CPU) | 'all_to_all' | 'ragged'
+  exchange: str = "auto"
+
+  def ep(self, n: int, tile_m: int) -> EPConfig:
+    impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())
+    return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
+                    tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=impl,
+                    interpret=interpret or self.interpret,
+                    exchange=resolve_exchange(self.exchange))
+
+
+@dataclasses.dataclass
+class SeqInput:
+  """What the engine needs of one sequence."""
+  tokens: np.ndarray  # prompt token ids
+  limit: int  # tokens to generate at most (fixed target or max_new_tokens)
+  stop_eos: bool  # stop at EOS (model lengths) or run to `limit` (workload lengths)
+  phash: int  # stable hash of the prompt id
+  sample: int
+  fixed_length: bool = False
+
+
+@dataclasses.dataclass
+class SeqOutput:
+  tokens: list
+  logprobs: list
+  finish_reason: str
+  worker: int
+  slot: int  # the decode slot it finished in
+  routes: Optional[np.ndarray] = None  # [prompt + tokens - 1, L, K] when spec.record_routes
+
+
+# ----------------------------------------------------------------------------- parameter layouts
+
+
+def split_params(params: tfm.Params) -> tuple[tfm.Params, dict]:
+  """(non-expert params, expert weights {w1, w3, w2} in canonical [L, E, ...] layout)."""
+  layers = dict(params["layers"])
+  experts = {k: layers.pop(k) for k in tfm.EXPERT_KEYS}
+  rest = dict(params)
+  rest["layers"] = layers
+  return rest, experts
+
+
+def merge_params(rest: tfm.Params, experts: dict) -> tfm.Params:
+  out = dict(rest)
+  out["layers"] = {**rest["layers"], **experts}
+  return out
+
+
+def abstract_split(params: tfm.Params) -> tuple:
+  """(non-expert, expert) shapes of `params` (what a StepCache compiles for)."""
+  rest, experts = split_params(params)
+  shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+  return shape(rest), shape(experts)
+
+
+def expert_spec() -> PartitionSpec:
+  """PartitionSpec of one expert stack ([L, E, ...] canonical or [L, N*S, ...] expert slots)."""
+  return mesh_lib.param_spec(*tfm.PARAM_AXES["w1"])
+
+
+def cache_spec() -> PartitionSpec:
+  return mesh_lib.logical_spec("layer", "batch", None, None, None)
+
+
+@functools.lru_cache(maxsize=None)
+def _slot_gather(sharding: NamedSharding):
+  """One jitted gather per target sharding (the slot table is an argument, not a constant)."""
+
+  def gather(w, idx, empty):
+    g = jnp.take(w, idx, axis=1)
+    return jnp.where(empty[None, :, None, None], jnp.zeros((), w.dtype), g)
+
+  return jax.jit(gather, out_shardings=sharding)
+
+
+def slot_layout(experts: dict, slot_expert_NS: np.ndarray, sharding: NamedSharding) -> dict:
+  """Canonical [L, E, ...] expert weights -> expert-slot layout [L, N*S, ...] (empty slots are
+  zero)."""
+  flat = np.asarray(slot_expert_NS).reshape(-1)
+  idx = np.maximum(flat, 0).astype(np.int32)
+  empty = flat < 0
+  gather = _slot_gather(sharding)
+  return {k: gather(v, idx, empty) for k, v in experts.items()}

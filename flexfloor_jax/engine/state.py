@@ -1,0 +1,170 @@
+"""The engine's typed device state and the column layouts of its host inputs.
+
+Names: a *decode slot* is a place for one sequence on a worker (B per worker); its *sequence row*
+is its row in the global arrays (position of the worker among the active ones * B + slot); an
+*expert slot* is a place for one expert's weights on a worker (S per worker).
+
+DecodeState (a pytree; leading row axis N*B, or axis 1 for the KV cache, sharded over workers):
+  k, v          the KV cache [L, N*B, max_seq_len, Hkv, Dh]
+  scalars       int32 [N*B, len(SCALAR_COLS)]: a decode slot's scalars and sequence key packed
+                into one array, so a release reassembles one array for them instead of eight
+  out_tokens, out_logprobs  [N*B, max_new_tokens]
+  routes        [N*B, max_seq_len, L, K] the experts each fed token used (routing replay), or None
+
+A step's host inputs travel as one int32 array sharded over the workers, one row per worker (one
+transfer per step instead of one per input); the last num_experts columns of every row hold the
+expert -> global expert slot table, so a release moves no separate table either. The builders
+and readers below own those column layouts (PREFILL_COLS, DECODE_COLS): nothing else indexes
+the host arrays.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from flexfloor_jax.model import transformer as tfm
+
+SCALAR_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1")
+_SCALAR = {name: i for i, name in enumerate(SCALAR_COLS)}
+
+
+@struct.dataclass
+class Scalars:
+  """A decode slot's scalars, one array per field (inside a step)."""
+  tokens: jax.Array  # input token of the next step
+  positions: jax.Array  # where that token's KV goes
+  live: jax.Array  # bool
+  n_gen: jax.Array  # tokens generated so far
+  limit: jax.Array  # tokens to generate at most
+  stop_eos: jax.Array  # bool
+  key: jax.Array  # uint32[2] sequence key
+
+  @classmethod
+  def unpack(cls, a: jax.Array) -> "Scalars":
+    col = lambda name: a[:, _SCALAR[name]]
+    return cls(tokens=col("tokens"), positions=col("positions"), live=col("live") != 0,
+               n_gen=col("n_gen"), limit=col("limit"), stop_eos=col("stop_eos") != 0,
+               key=jax.lax.bitcast_convert_type(
+                   a[:, _SCALAR["key0"]:_SCALAR["key1"] + 1], jnp.uint32))
+
+  def pack(self) -> jax.Array:
+    key = jax.lax.bitcast_convert_type(self.key, jnp.int32)
+    cols = [key[:, i - _SCALAR["key0"]] if name.startswith("key")
+            else getattr(self, name).astype(jnp.int32) for i, name in enumerate(SCALAR_COLS)]
+    return jnp.stack(cols, 1)
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything the decode slots hold on device (see the module docstring)."""
+  k: jax.Array
+  v: jax.Array
+  scalars: jax.Array
+  out_tokens: jax.Array
+  out_logprobs: jax.Array
+  routes: Optional[jax.Array] = None
+
+  def as_dict(self) -> dict:
+    """{name: array} of the fields present (elastic.py moves rows by name)."""
+    names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes")
+    return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+  def slot_scalars(self) -> Scalars:
+    return Scalars.unpack(self.scalars)
+
+  @property
+  def cache(self) -> tfm.KVCache:
+    return tfm.KVCache(self.k, self.v)
+
+
+def state_shapes(spec, n: int) -> DecodeState:
+  """DecodeState of ShapeDtypeStructs for n workers (`spec`: an EngineSpec, or anything with its
+  cfg, slots_per_worker, max_seq_len, max_new_tokens and record_routes)."""
+  cfg, nb = spec.cfg, n * spec.slots_per_worker
+  kv = jax.ShapeDtypeStruct((cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads,
+                             cfg.head_dim), tfm.dtype_of(cfg))
+  return DecodeState(
+      k=kv, v=kv,
+      scalars=jax.ShapeDtypeStruct((nb, len(SCALAR_COLS)), jnp.int32),
+      out_tokens=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
+      out_logprobs=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
+      routes=jax.ShapeDtypeStruct((nb, spec.max_seq_len, cfg.num_layers, cfg.top_k), jnp.int32)
+      if spec.record_routes else None)
+
+
+def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
+                           record_routes: bool = False) -> int:
+  """Bytes of one worker's decode-slot state without the KV cache (memory.py counts that
+  apart), without an EngineSpec."""
+  spec = types.SimpleNamespace(cfg=cfg, slots_per_worker=slots_per_worker, max_seq_len=max_seq_len,
+                               max_new_tokens=max_new_tokens, record_routes=record_routes)
+  arrays = state_shapes(spec, 1).as_dict()
+  return sum(math.prod(v.shape) * v.dtype.itemsize for k, v in arrays.items()
+             if k not in ("k", "v"))
+
+
+# ----------------------------------------------------------------------------- host inputs
+
+# Prefill rows: the prompt's max_prompt_len token columns, then PREFILL_COLS.
+PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch")
+# Decode rows: DECODE_COLS.
+DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle")
+
+
+def prefill_host(max_prompt_len: int, n: int, seed: int, epoch: int,
+                 rows: Sequence[tuple[int, int, object]]) -> np.ndarray:
+  """Host inputs of one prefill step on n workers: `rows` (worker position, decode slot,
+  SeqInput), at most one per position; a worker without one prefills nothing (slot -1)."""
+  lp = max_prompt_len
+  host = np.zeros((n, lp + len(PREFILL_COLS)), np.int32)
+  col = {name: lp + i for i, name in enumerate(PREFILL_COLS)}
+  host[:, col["slot"]] = -1
+  host[:, col["seed"]] = seed
+  host[:, col["epoch"]] = epoch
+  for p, slot, q in rows:
+    if host[p, col["slot"]] >= 0:
+      raise ValueError(f"two prefills for worker position {p} in one step")
+    host[p, :len(q.tokens)] = q.tokens
+    for name, val in (("length", len(q.tokens)), ("slot", slot), ("limit", q.limit),
+                      ("stop_eos", q.stop_eos), ("phash", q.phash), ("sample", q.sample)):
+      host[p, col[name]] = val
+  return host
+
+
+def decode_host(max_steps: int, stop_on_refill, stop_on_idle) -> np.ndarray:
+  """Host inputs of one decode dispatch: the masks are per worker position."""
+  cols = {"max_steps": np.full(len(stop_on_refill), max_steps), "stop_on_refill": stop_on_refill,
+          "stop_on_idle": stop_on_idle}
+  return np.stack([np.asarray(cols[name]) for name in DECODE_COLS], axis=1).astype(np.int32)
+
+
+def with_expert_table(host: np.ndarray, e2s: np.ndarray) -> np.ndarray:
+  """Append the expert -> global expert slot table to every row."""
+  table = np.broadcast_to(e2s, (host.shape[0], len(e2s)))
+  return np.concatenate([host, table], 1).astype(np.int32)
+
+
+def host_width(kind: str, max_prompt_len: int, num_experts: int) -> int:
+  """Columns of a step's host array ('prefill' | 'decode'), the expert table included."""
+  cols = max_prompt_len + len(PREFILL_COLS) if kind == "prefill" else len(DECODE_COLS)
+  return cols + num_experts
+
+
+def read_prefill(host_PC: jax.Array, max_prompt_len: int, num_experts: int):
+  """Inside a step: (prompt tokens [P, T], {PREFILL_COLS name: [P]}, expert table [E])."""
+  host_PC, e2s = host_PC[:, :-num_experts], host_PC[0, -num_experts:]
+  cols = {name: host_PC[:, max_prompt_len + i] for i, name in enumerate(PREFILL_COLS)}
+  return host_PC[:, :max_prompt_len], cols, e2s
+
+
+def read_decode(host_PC: jax.Array, num_experts: int):
+  """Inside a step: ({DECODE_COLS name: this worker's value}, expert table [E])."""
+  return ({name: host_PC[0, i] for i, name in enumerate(DECODE_COLS)},
+          host_PC[0, -num_experts:])

@@ -1,0 +1,103 @@
+"""The per-worker bodies of the prefill step and the decode dispatch, run inside `shard_map` over
+the `ep` mesh (step_set.py compiles them per mesh)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flexfloor_jax.engine.spec import EngineSpec, merge_params
+from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.moe import ep_moe
+from flexfloor_jax.sampling import sample, sample_one, sequence_key
+
+
+def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC):
+  """At most one prompt per worker into its decode slot (slot -1: none), and its first token.
+  Returns (state, expert counts [E])."""
+  cfg = spec.cfg
+  tokens_PT, c, e2s = read_prefill(host_PC, spec.max_prompt_len, cfg.num_experts)
+  slot_P, eos_P, limit_P = c["slot"], c["stop_eos"] != 0, c["limit"]
+  seed, epoch = c["seed"][0], c["epoch"][0]
+  ep = spec.ep(n, spec.prefill_tile_m)
+  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+  active = slot_P >= 0
+  lengths = jnp.where(active, c["length"], 0)
+  logits, k, v, aux = tfm.prefill(merge_params(rest, experts), cfg, tokens_PT, lengths,
+                                  moe_fn=moe_fn)
+  cache = tfm.insert(st.cache, k, v, slot_P)
+  keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, c["phash"], c["sample"])
+  tok, lp = jax.vmap(lambda l, kd: sample_one(l, kd, jnp.int32(0), spec.sampling))(logits, keys)
+  sc = st.slot_scalars()
+  b = sc.tokens.shape[0]
+  idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
+  done = (limit_P <= 1) | (eos_P & (tok == cfg.eos_id))
+  upd = lambda a, val: a.at[idx].set(val, mode="drop")
+  sc = sc.replace(tokens=upd(sc.tokens, tok), positions=upd(sc.positions, lengths),
+                  live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, jnp.ones_like(tok)),
+                  limit=upd(sc.limit, limit_P), stop_eos=upd(sc.stop_eos, eos_P),
+                  key=upd(sc.key, keys))
+  routes = st.routes
+  if routes is not None:  # the prompt's experts: aux [L, P*T, K] -> rows [P, T, L, K]
+    p, t = tokens_PT.shape
+    r = jnp.transpose(aux["experts"].reshape(cfg.num_layers, p, t, -1), (1, 2, 0, 3))
+    routes = routes.at[idx, :t].set(r, mode="drop")
+  st = st.replace(k=cache.k, v=cache.v, scalars=sc.pack(),
+                  out_tokens=st.out_tokens.at[idx, 0].set(tok, mode="drop"),
+                  out_logprobs=st.out_logprobs.at[idx, 0].set(lp, mode="drop"), routes=routes)
+  return st, aux["expert_counts"].sum(0)
+
+
+def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC):
+  """Up to max_steps decode steps in a `lax.while_loop`; stops after a step in which a worker
+  with stop_on_refill had a slot finish, or one with stop_on_idle went from live slots to none,
+  or nothing is live (the rule of policy.controller.dispatch_stops, on device).
+  Returns (state, steps run, expert counts [E])."""
+  cfg = spec.cfg
+  h, e2s = read_decode(host_PC, cfg.num_experts)
+  max_steps, stop_on_refill, stop_on_idle = (h["max_steps"], h["stop_on_refill"] != 0,
+                                             h["stop_on_idle"] != 0)
+  ep = spec.ep(n, spec.decode_tile_m)
+  axis = ep.axis
+  params = merge_params(rest, experts)
+  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+  b = st.out_tokens.shape[0]
+  rows = jnp.arange(b)
+  max_new = spec.max_new_tokens
+
+  def step(carry):
+    st, sc, i, _, counts = carry
+    live = sc.live
+    logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
+                                    moe_fn=moe_fn)
+    tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling)
+    col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
+    routes = st.routes
+    if routes is not None:  # the fed token's experts at its position: aux [L, B, K] -> [B, L, K]
+      pos = jnp.where(live, sc.positions, spec.max_seq_len)
+      routes = routes.at[rows, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)), mode="drop")
+    st = st.replace(k=cache.k, v=cache.v,
+                    out_tokens=st.out_tokens.at[rows, col].set(tok, mode="drop"),
+                    out_logprobs=st.out_logprobs.at[rows, col].set(lp, mode="drop"),
+                    routes=routes)
+    n_gen = sc.n_gen + live.astype(jnp.int32)
+    finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & (tok == cfg.eos_id)))
+    sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
+                    positions=sc.positions + live.astype(jnp.int32), live=live & ~finished)
+    wake = (jnp.any(finished) & stop_on_refill) | (
+        stop_on_idle & jnp.any(finished) & ~jnp.any(sc.live))
+    stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
+    any_live = jax.lax.psum(jnp.any(sc.live).astype(jnp.int32), axis) > 0
+    counts = counts + aux["expert_counts"].sum(0)
+    return st, sc, i + 1, stop | ~any_live, counts
+
+  def cond(carry):
+    return (carry[2] < max_steps) & ~carry[3]
+
+  sc = st.slot_scalars()
+  any_live = jax.lax.psum(jnp.any(sc.live).astype(jnp.int32), axis) > 0
+  counts0 = jnp.zeros((cfg.num_experts,), jnp.int32)
+  st, sc, steps, _, counts = jax.lax.while_loop(
+      cond, step, (st.replace(scalars=None), sc, jnp.int32(0), ~any_live, counts0))
+  return st.replace(scalars=sc.pack()), steps, counts

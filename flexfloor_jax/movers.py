@@ -1,0 +1,122 @@
+"""The compiled programs that move expert slots and sequence rows: SPMD extract / insert per mesh
+(compile_movers, compiled with each StepSet) and single-device take / put per device (SlotMovers,
+RowMovers). elastic.py decides nothing either: it runs these for a release or a migration."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.model import transformer as tfm
+
+
+def _row_axis_of(name: str) -> int:
+  """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
+  return 1 if name in ("k", "v", *tfm.EXPERT_KEYS) else 0
+
+
+def _extract_local(tree, idx_1):
+  i = jnp.maximum(idx_1[0], 0)
+  return {name: jax.lax.dynamic_slice_in_dim(a, i, 1, axis=_row_axis_of(name))
+          for name, a in tree.items()}
+
+
+def _insert_local(tree, rows, idx_1):
+  out = {}
+  for name, a in tree.items():
+    ax = _row_axis_of(name)
+    i = jnp.where(idx_1[0] >= 0, idx_1[0], a.shape[ax])  # out of range: dropped (no-op)
+    index = (slice(None),) * ax + (i,)
+    out[name] = a.at[index].set(jax.lax.index_in_dim(rows[name], 0, ax, keepdims=False),
+                                mode="drop")
+  return out
+
+
+def compile_movers(stepset) -> dict:
+  """extract/insert executables for expert slots ("experts") and for sequence rows (the decode
+  state, "rows") on this mesh, and the abstract arrays one extract returns ("taken_*")."""
+  mesh = stepset.mesh
+  w = mesh_lib.batch_spec(1)  # one mover index per worker
+  idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=mesh_lib.named(mesh, w))
+  out = {}
+  groups = {"experts": stepset.abstract_experts, "rows": stepset.abstract_state.as_dict()}
+  for group, tree in groups.items():
+    specs = {k: v.sharding.spec for k, v in tree.items()}
+    ext = jax.jit(jax.shard_map(_extract_local, mesh=mesh, in_specs=(specs, w), out_specs=specs,
+                                check_vma=False))
+    taken_abs = jax.eval_shape(ext, tree, idx_abs)
+    taken_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=tree[k].sharding)
+                 for k, v in taken_abs.items()}
+    ins = jax.jit(jax.shard_map(_insert_local, mesh=mesh, in_specs=(specs, specs, w),
+                                out_specs=specs, check_vma=False), donate_argnums=0)
+    out[f"extract_{group}"] = ext.lower(tree, idx_abs).compile()
+    out[f"insert_{group}"] = ins.lower(tree, taken_abs, idx_abs).compile()
+    out[f"taken_{group}"] = taken_abs
+  # No placeholder buffers per mesh: a mover that needs filler rows takes them from its own
+  # extract, so a mesh's build leaves nothing on its devices that the memory floor does not count.
+  return out
+
+
+class SlotMovers:
+  """Single-device movers of expert slots, for one device's shard {name: [L, S, ...]}: only the
+  devices an expert leaves or joins run anything (an SPMD step costs every device of the mesh a
+  launch, which on emulated devices is most of a release). A taken slot is one flat buffer
+  holding all its weights: one transfer per moved expert."""
+
+  def __init__(self, shard_abstract: dict, device: jax.Device, slots: int):
+    sh = SingleDeviceSharding(device)
+    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+            for k, v in shard_abstract.items()}
+    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+    # (traced dicts iterate in sorted key order: so do the offsets)
+    row_shapes = {k: (v.shape[0], 1) + v.shape[2:] for k, v in sorted(tree.items())}
+    ends = np.cumsum([int(np.prod(r)) for r in row_shapes.values()])
+
+    def take(t, i):
+      return jnp.concatenate([jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1).reshape(-1)
+                              for x in t.values()])
+
+    def put(t, row, i):
+      parts = jnp.split(row, ends[:-1])
+      return {k: jax.lax.dynamic_update_slice_in_dim(x, p.reshape(row_shapes[k]), i, axis=1)
+              for (k, x), p in zip(t.items(), parts)}
+
+    self.take = jax.jit(take).lower(tree, idx).compile()
+    row = jax.ShapeDtypeStruct((int(ends[-1]),), next(iter(tree.values())).dtype, sharding=sh)
+    self.put = jax.jit(put, donate_argnums=0).lower(tree, row, idx).compile()
+    # Slot indices already on the device (a host scalar would cost a transfer per call).
+    self.slot = [jax.device_put(np.int32(s), device) for s in range(slots)]
+    # First executions compile XLA:CPU kernels: run both once here, on placeholders.
+    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
+    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
+
+
+class RowMovers:
+  """Single-device movers of sequence rows (compaction), for one device's shard of the decode
+  state {name: [.., B, ..]} (row axis per `_row_axis_of`): a migrated sequence costs a
+  `take` on its source device, one transfer and a `put` on its destination, instead of an SPMD
+  extract and insert on every device of the mesh per round."""
+
+  def __init__(self, shard_abstract: dict, device: jax.Device, rows: int):
+    sh = SingleDeviceSharding(device)
+    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+            for k, v in shard_abstract.items()}
+    idx = jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)
+
+    def take(t, i):
+      return {k: jax.lax.dynamic_slice_in_dim(x, i, 1, axis=_row_axis_of(k)) for k, x in t.items()}
+
+    def put(t, row, i):
+      return {k: jax.lax.dynamic_update_slice_in_dim(x, row[k], i, axis=_row_axis_of(k))
+              for k, x in t.items()}
+
+    self.take = jax.jit(take).lower(tree, idx).compile()
+    row_abs = jax.eval_shape(take, tree, idx)
+    row_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in row_abs.items()}
+    self.put = jax.jit(put, donate_argnums=0).lower(tree, row_abs, idx).compile()
+    self.slot = [jax.device_put(np.int32(r), device) for r in range(rows)]
+    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
+    jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
