@@ -59,6 +59,14 @@ def run_in_process(module: str, args: list[str], *, cwd: str) -> Result:
 
   app.define_help_flags()  # absl's own flags (app.run defines them once): kept across calls
   fv = flags.FLAGS
+  # Other modules' flags (another CLI module imported by a test in this process defines --config
+  # too) are set aside while the module runs and put back afterwards.
+  stashed = {}
+  for name in list(fv):
+    owner = fv.find_module_defining_flag(name) or ""
+    if not owner.startswith("absl"):
+      stashed[name] = (fv[name], owner)
+      delattr(fv, name)
   before = set(fv)
   saved = {k: getattr(jax.config, k) for k in _JAX_SETTINGS}
   saved_argv, saved_cwd, saved_mod = sys.argv, os.getcwd(), sys.modules.pop(module, None)
@@ -89,6 +97,11 @@ def run_in_process(module: str, args: list[str], *, cwd: str) -> Result:
     for name in set(fv) - before:
       delattr(fv, name)
     fv.unparse_flags()
+    for name, (flag, owner) in stashed.items():
+      if name not in fv:
+        fv[name] = flag
+        if owner:
+          fv.register_flag_by_module(owner, flag)
     for k, v in saved.items():
       jax.config.update(k, v)
     if saved_env is None:
