@@ -1,8 +1,11 @@
-"""The rollout CLI end to end, as a user runs it: `python -m flexfloor_jax.rollout` in a subprocess.
+"""The rollout CLI end to end, as a user runs it: `python -m flexfloor_jax.rollout`.
 
 1. Bad input (config, prompts, lengths, checkpoint) exits non-zero with one line on stderr naming
-   the field or file, before anything is compiled (JAX_LOG_COMPILES=1 would put a line on stderr
-   for every compile), and leaves no output files.
+   the field or file, before anything is compiled, and leaves no output files. Every case runs the
+   CLI module in this process (cli_utils.run_in_process: the module as __main__ under absl's
+   app.run, stderr captured, compiles counted by a jax.monitoring listener); one case also runs as
+   a real subprocess (JAX_LOG_COMPILES=1 would put a line on stderr for every compile), which is
+   what a user sees.
 2. With a tiny Hugging Face checkpoint, greedy decoding through the CLI reproduces transformers'
    `generate(do_sample=False)` token for token (EOS stopping on both sides, with an eos id the
    greedy continuations actually emit).
@@ -15,7 +18,6 @@ conftest.py), so a warm cache keeps the whole file inside its time budget.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import math
 import os
@@ -29,6 +31,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+import cli_utils  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(REPO, ".jax_cache"))
@@ -242,10 +246,17 @@ BAD_CASE_NAMES = (
 CHECKPOINT_CASES = {n for n in BAD_CASE_NAMES if "checkpoint" in n}
 
 
+def _case_args(name, cases, tmp):
+  """(config, argv after --config, output dir, expected substrings) of a bad-input case."""
+  args, expect = cases[name]
+  out = os.path.join(str(tmp), "out_" + name)
+  config = {"unknown_preset": "configs/mixtral.py:nope",
+            "missing_config_file": "configs/missing.py"}.get(name, "configs/mixtral.py")
+  return config, [*SMALL, *args, f"--config.rollout.output_dir={out}"], out, expect
+
+
 @pytest.fixture(scope="module")
-def bad_runs(request, tmp_path_factory):
-  """Every bad-input case run once (two at a time: each is mostly a jax import), each into its
-  own output dir. name -> (proc, seconds, output dir, expected substrings)."""
+def bad_cases(request, tmp_path_factory):
   tmp = tmp_path_factory.mktemp("cli_bad")
   try:
     ckpt = request.getfixturevalue("greedy_case")["path"]
@@ -254,33 +265,19 @@ def bad_runs(request, tmp_path_factory):
   cases = _bad_cases(tmp, ckpt)
   assert sorted(cases) == sorted(n for n in BAD_CASE_NAMES
                                  if ckpt is not None or n not in CHECKPOINT_CASES)
-
-  def one(name):
-    args, expect = cases[name]
-    out = os.path.join(str(tmp), "out_" + name)
-    config = {"unknown_preset": "configs/mixtral.py:nope",
-              "missing_config_file": "configs/missing.py"}.get(name, "configs/mixtral.py")
-    proc, secs = run_cli([*SMALL, *args, f"--config.rollout.output_dir={out}"], config=config,
-                         timeout=4 * BAD_INPUT_SECONDS, log_compiles=True)
-    return name, (proc, secs, out, expect)
-
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    return dict(pool.map(one, sorted(cases)))
+  return cases, tmp
 
 
-@pytest.mark.parametrize("name", BAD_CASE_NAMES)
-def test_bad_input_fails_fast_with_one_line(bad_runs, name):
-  if name not in bad_runs:
-    pytest.skip("needs torch + transformers to build the checkpoint")
-  proc, secs, out, expect = bad_runs[name]
-  print(f"[{name}] {secs:.1f}s: {proc.stderr.strip().splitlines()[-1:]}")
+def _check_bad_run(name, code, stdout, stderr, secs, out, expect):
+  print(f"[{name}] {secs:.1f}s: {stderr.strip().splitlines()[-1:]}")
   # jax's own INFO line when it probes for a TPU on a CPU-only machine (cases that fail once the
   # devices are known, e.g. mesh.num_devices) is the only other line tolerated.
-  lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not BACKEND_PROBE.match(ln)]
-  assert proc.returncode != 0, f"{name}: exit 0\n{proc.stderr[-2000:]}"
-  assert "Traceback" not in proc.stderr, f"{name}: traceback\n{proc.stderr[-3000:]}"
-  # One line: no usage hint, no log lines, and (JAX_LOG_COMPILES=1) nothing was compiled.
-  assert len(lines) == 1, f"{name}: {len(lines)} stderr lines\n{proc.stderr[-3000:]}"
+  lines = [ln for ln in stderr.splitlines() if ln.strip() and not BACKEND_PROBE.match(ln)]
+  assert code != 0, f"{name}: exit 0\n{stderr[-2000:]}"
+  assert "Traceback" not in stderr, f"{name}: traceback\n{stderr[-3000:]}"
+  # One line: no usage hint, no log lines (and, in a subprocess with JAX_LOG_COMPILES=1, nothing
+  # was compiled).
+  assert len(lines) == 1, f"{name}: {len(lines)} stderr lines\n{stderr[-3000:]}"
   last = lines[-1]
   assert last.startswith("error: "), last
   for s in expect:
@@ -288,7 +285,37 @@ def test_bad_input_fails_fast_with_one_line(bad_runs, name):
   assert secs < BAD_INPUT_SECONDS, f"{name}: took {secs:.1f}s"
   leftover = sorted(os.listdir(out)) if os.path.isdir(out) else []
   assert not leftover, f"{name}: output files left behind: {leftover}"
-  assert proc.stdout.strip() == "", proc.stdout
+  assert stdout.strip() == "", stdout
+
+
+@pytest.mark.parametrize("name", BAD_CASE_NAMES)
+def test_bad_input_fails_fast_with_one_line(bad_cases, name):
+  """In process (cli_utils): the same module, flags, parser and checks as the real CLI."""
+  cases, tmp = bad_cases
+  if name not in cases:
+    pytest.skip("needs torch + transformers to build the checkpoint")
+  config, args, out, expect = _case_args(name, cases, tmp)
+  r = cli_utils.run_in_process("flexfloor_jax.rollout", [f"--config={config}", *args], cwd=REPO)
+  _check_bad_run(name, r.returncode, r.stdout, r.stderr, r.seconds, out, expect)
+  assert r.returncode == 2, r.returncode  # cli.fail's status
+  assert r.compiles == 0, f"{name}: {r.compiles} compiles before failing"
+
+
+# mesh.num_devices=99 fails only once JAX has started with the CLI's own emulated devices: the
+# case that goes furthest before failing, through the real process boundary.
+SUBPROCESS_BAD_CASE = "too_many_devices"
+
+
+def test_bad_input_through_the_real_cli(bad_cases):
+  """One bad-input case as a user runs it: a subprocess with JAX_LOG_COMPILES=1."""
+  cases, tmp = bad_cases
+  config, args, out, expect = _case_args(SUBPROCESS_BAD_CASE, cases, tmp)
+  out = out + "_subprocess"
+  args = [*args[:-1], f"--config.rollout.output_dir={out}"]
+  proc, secs = run_cli(args, config=config, timeout=4 * BAD_INPUT_SECONDS, log_compiles=True)
+  _check_bad_run(SUBPROCESS_BAD_CASE, proc.returncode, proc.stdout, proc.stderr, secs, out,
+                 expect)
+  assert proc.returncode == 2, proc.returncode
 
 
 # ----------------------------------------------------------------------------- 2. greedy parity
