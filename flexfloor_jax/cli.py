@@ -205,19 +205,11 @@ def prepare_rollout(config):
   creatable), then the length history loaded against this model (runner.load_history, which
   runner.run applies too when called without one). Raises runner.RolloutError or
   cli.ConfigError."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax import rollout_inputs, runner
 
   validate_common(config)
   runner.validate_config(config)
-  if config.model.checkpoint:
-    try:
-      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
-    except ckpt.CheckpointError as e:
-      raise runner.RolloutError(f"model.checkpoint: {e}") from None
-  else:
-    model_cfg = PRESETS[config.preset]
+  model_cfg = rollout_inputs.model_config(config)
   r = config.rollout
   if not config.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
     raise runner.RolloutError(

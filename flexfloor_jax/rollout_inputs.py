@@ -1,6 +1,6 @@
-"""What a rollout reads from the user (config fields, prompts, lengths file, length history, output
-directory, memory budget), checked with one RolloutError naming the field or file, before anything is
-compiled. Imports no JAX at module level.
+"""What a rollout reads from the user (config fields, model shape, prompts, lengths file, length
+history, output directory, memory budget), checked with one RolloutError naming the field or file,
+before anything is compiled. Imports no JAX at module level.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def check_output_dir(config) -> None:
     raise RolloutError(str(e)) from None
 
 
-# ----------------------------------------------------------------------------- sequences, cache, budget
+# ------------------------------------------------------------------ sequences, cache, budget
 
 
 def resolve_lengths_mode(config) -> str:
@@ -174,7 +174,8 @@ def workload_spec(config, num_prompts: int) -> workload.WorkloadSpec:
                                seed=config.sampling.seed, cap=config.rollout.max_new_tokens,
                                sigma=float(w.get("sigma", workload.DEFAULT_SIGMA)),
                                median=float(w.get("median", workload.DEFAULT_MEDIAN)),
-                               epoch_noise=float(w.get("epoch_noise", workload.DEFAULT_EPOCH_NOISE)),
+                               epoch_noise=float(w.get("epoch_noise",
+                                                       workload.DEFAULT_EPOCH_NOISE)),
                                sample_noise=float(w.get("sample_noise",
                                                         workload.DEFAULT_SAMPLE_NOISE)))
 
@@ -250,3 +251,18 @@ def check_prompts(config, prompts: list[Prompt], model_cfg, seq_len: int) -> Non
   _check(seq_len <= model_cfg.max_position_embeddings,
          f"model.max_seq_len={seq_len} exceeds the model's "
          f"max_position_embeddings={model_cfg.max_position_embeddings}")
+
+
+def model_config(config):
+  """The model's shape: a checkpoint's (its inventory only, no tensor read) or the preset's, in
+  model.dtype. RolloutError names model.checkpoint when the checkpoint cannot be used."""
+  from flexfloor_jax.model import checkpoint as ckpt
+  from flexfloor_jax.model.config import PRESETS
+  if config.model.checkpoint:
+    try:
+      cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
+    except ckpt.CheckpointError as e:
+      raise RolloutError(f"model.checkpoint: {e}") from None
+  else:
+    cfg = PRESETS[config.preset]
+  return cfg.replace(dtype=config.model.dtype)

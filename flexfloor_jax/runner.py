@@ -18,15 +18,15 @@ from typing import Any, Optional
 import numpy as np
 
 from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
-from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, release_sizes
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary
 from flexfloor_jax.rollout_inputs import (Prompt, RolloutError, build_seqs, check_output_dir,
                                           check_prompts, history_file, load_history, load_prompts,
-                                          memory_budget_bytes, resolve_lengths_mode,
+                                          memory_budget_bytes, model_config, resolve_lengths_mode,
                                           resolve_max_seq_len, validate_config)
 from flexfloor_jax.rollout_outputs import OutputError, check_finite_logprobs, publish_outputs
 
@@ -137,20 +137,11 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
   from flexfloor_jax import memory
   from flexfloor_jax import mesh as mesh_lib
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model.config import PRESETS
   from flexfloor_jax.tokenizer import load_tokenizer
 
   r = config.rollout
   if model_cfg is None:
-    if config.model.checkpoint:
-      try:
-        model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
-      except ckpt.CheckpointError as e:
-        raise RolloutError(f"model.checkpoint: {e}") from None
-    else:
-      model_cfg = PRESETS[config.preset]
-    model_cfg = model_cfg.replace(dtype=config.model.dtype)
+    model_cfg = model_config(config)
   if tokenizer is None:
     tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
   prompts = load_prompts(config, tokenizer, model_cfg.bos_id)

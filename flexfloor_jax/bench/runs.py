@@ -64,21 +64,12 @@ def validate_bench(config) -> None:
 
 def seqs_for(config):
   """The runner's own sequence list for this config (same prompts, prompt lengths, targets)."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.model.config import PRESETS
+  from flexfloor_jax import rollout_inputs as inputs
   from flexfloor_jax.tokenizer import load_tokenizer
-  if config.model.checkpoint:
-    from flexfloor_jax.model import checkpoint as ckpt
-    try:
-      model_cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
-    except ckpt.CheckpointError as e:
-      raise runner.RolloutError(f"model.checkpoint: {e}") from None
-  else:
-    model_cfg = PRESETS[config.preset]
-  model_cfg = model_cfg.replace(dtype=config.model.dtype)
+  model_cfg = inputs.model_config(config)
   tok = load_tokenizer(config.model.checkpoint, model_cfg)
-  prompts = runner.load_prompts(config, tok, model_cfg.bos_id)
-  return runner.build_seqs(config, prompts, runner.resolve_lengths_mode(config)), model_cfg
+  prompts = inputs.load_prompts(config, tok, model_cfg.bos_id)
+  return inputs.build_seqs(config, prompts, inputs.resolve_lengths_mode(config)), model_cfg
 
 
 def _scalars(summary: dict) -> dict:
