@@ -24,10 +24,11 @@ def test_import_does_not_load_jax():
   assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_sources_import_only_numpy_stdlib_and_policy():
-  allowed_third_party = {'numpy', 'matplotlib'}
+def _check_source_imports(folder, allowed_package, allowed_third_party):
+  """Every import statement of every file in `folder` (inside functions too): the standard
+  library, `allowed_third_party`, or package modules starting with `allowed_package`."""
   stdlib = set(sys.stdlib_module_names)
-  for path in POLICY.glob('*.py'):
+  for path in folder.glob('*.py'):
     for node in ast.walk(ast.parse(path.read_text())):
       if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
@@ -38,10 +39,14 @@ def test_sources_import_only_numpy_stdlib_and_policy():
       for n in names:
         top = n.split('.')[0]
         if top == 'flexfloor_jax':
-          assert n.startswith('flexfloor_jax.policy'), f'{path.name} imports {n}'
+          assert n.startswith(allowed_package), f'{path.name} imports {n}'
         else:
           assert top in stdlib or top in allowed_third_party or top == '__future__', \
               f'{path.name} imports {n}'
+
+
+def test_sources_import_only_numpy_stdlib_and_policy():
+  _check_source_imports(POLICY, 'flexfloor_jax.policy', {'numpy', 'matplotlib'})
 
 
 SIM = ROOT / 'flexfloor_jax' / 'sim'
@@ -73,20 +78,4 @@ def test_sim_import_does_not_load_jax():
 
 def test_sim_sources_import_no_jax():
   """At the source level, matplotlib and absl imports inside functions included."""
-  allowed_third_party = {'numpy', 'matplotlib', 'absl'}
-  stdlib = set(sys.stdlib_module_names)
-  for path in SIM.glob('*.py'):
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-      elif isinstance(node, ast.ImportFrom):
-        names = [node.module or '']
-      else:
-        continue
-      for n in names:
-        top = n.split('.')[0]
-        if top == 'flexfloor_jax':
-          assert n.startswith(SIM_ALLOWED), f'{path.name} imports {n}'
-        else:
-          assert top in stdlib or top in allowed_third_party or top == '__future__', \
-              f'{path.name} imports {n}'
+  _check_source_imports(SIM, SIM_ALLOWED, {'numpy', 'matplotlib', 'absl'})
