@@ -206,17 +206,22 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
 
 @pytest.mark.slow
 def test_cpu_preset_fitted_on_one_workload_predicts_another():
-  """Two real rollouts on different workloads (seeds): the cpu preset fitted on the first
-  predicts the second's device_steps exactly (same policy code) and wall time within 25%."""
+  """Real rollouts on two workloads (seeds): the cpu preset fitted on the first (run before and
+  after the second) predicts the second's device_steps exactly (same policy code) and wall time
+  within 25%."""
   from flexfloor_jax import engine
   pool = engine.StepCachePool()
   # the process's first rollout also pays one-time costs (XLA:CPU compiles kernels at their first
   # execution) that a per-step cost model does not describe: fit on a warm run
   _rollout(pool, seed=0)
+  # fitted on the same workload run just before and just after the held-out one, so that a
+  # change in the machine's other load during the test weighs on the fit as on the prediction
   a = _rollout(pool, seed=0)
   b = _rollout(pool, seed=1)
-  assert a["lengths"] != b["lengths"]
-  r = records.calibrate_and_predict([a], [b])
+  a_after = _rollout(pool, seed=0)
+  assert a["lengths"] != b["lengths"] and a["lengths"] == a_after["lengths"]
+  a_after["name"] += "_after"
+  r = records.calibrate_and_predict([a, a_after], [b])
   print(records.format_calibration(r))
   (p,) = r["predictions"]
   assert p["device_steps_exact"], p
