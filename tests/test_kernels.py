@@ -13,6 +13,7 @@ import pytest
 
 # Submodule imports: they work even where `kernels` was installed (editable) before it had an
 # __init__.py and resolves as a namespace package.
+from kernel_utils import combine_numpy
 from kernels.combine import combine
 from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import grouped_matmul
@@ -431,15 +432,6 @@ def test_grouped_matmul_batch_invariance_bitwise(tile_m, k_dim, n_dim, impl):
 # combine
 
 
-def _combine_numpy(y, row_dst, w):
-  acc = np.zeros((row_dst.shape[0], y.shape[1]), np.float32)
-  for k in range(row_dst.shape[1]):
-    valid = (row_dst[:, k] >= 0)[:, None]
-    term = w[:, k, None].astype(np.float32) * y[np.maximum(row_dst[:, k], 0)].astype(np.float32)
-    acc = acc + np.where(valid, term, np.float32(0))
-  return acc
-
-
 @pytest.mark.parametrize("name,group_ids", CASES, ids=CASE_IDS)
 def test_combine_pallas_equals_xla(name, group_ids):
   top_k = 2
@@ -451,7 +443,8 @@ def test_combine_pallas_equals_xla(name, group_ids):
   # A skipped slot contributes nothing, even with a non-finite weight.
   w = jnp.where(row_dst_TK < 0, jnp.nan, w)
   out = _jit_combine(y, row_dst_TK, w)
-  np.testing.assert_allclose(out, _combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w)), atol=1e-6, rtol=0)
+  ref = combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w))
+  np.testing.assert_allclose(out, ref, atol=1e-6, rtol=0)
   assert np.isfinite(np.asarray(out)).all()
   out_p = _jit_combine(y, row_dst_TK, w, impl="pallas", interpret=True)
   assert float(jnp.max(jnp.abs(out_p - out))) <= 1e-6
@@ -463,7 +456,7 @@ def test_combine_bf16_topk4():
   w = jax.random.uniform(_key(802), (32, 4), jnp.float32)
   out = _jit_combine(y, dst, w)
   assert out.dtype == jnp.bfloat16
-  ref = _combine_numpy(np.asarray(y.astype(jnp.float32)), np.asarray(dst), np.asarray(w))
+  ref = combine_numpy(np.asarray(y.astype(jnp.float32)), np.asarray(dst), np.asarray(w))
   np.testing.assert_array_equal(out.astype(jnp.float32), jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))
   out_p = _jit_combine(y, dst, w, impl="pallas", interpret=True)
   np.testing.assert_array_equal(out_p.astype(jnp.float32), out.astype(jnp.float32))
@@ -567,7 +560,7 @@ def test_combine_gpu_kernel_equals_xla(name, group_ids):
   assert np.isfinite(np.asarray(out)).all()
   _assert_same_bits(out, _combine_xla(y, row_dst_TK, w))
   np.testing.assert_array_equal(
-      out, _combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w)))
+      out, combine_numpy(np.asarray(y), np.asarray(row_dst_TK), np.asarray(w)))
 
 
 @pytest.mark.parametrize("num_src,d_dim,num_tokens,top_k,y_dtype,w_dtype", [

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_utils import combine_numpy
 from kernels.combine import combine, combine_xla
 from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import grouped_matmul
@@ -173,16 +174,6 @@ def test_ep_moe_pallas_backend_equals_xla_on_one_gpu():
   assert _rel(yp, yx) <= 2e-2, _rel(yp, yx)
 
 
-def _combine_definition(y, row_dst, w):
-  """The combine's numerics in numpy: each fp32 product rounded, then added in k order."""
-  acc = np.zeros((row_dst.shape[0], y.shape[1]), np.float32)
-  for k in range(row_dst.shape[1]):
-    valid = (row_dst[:, k] >= 0)[:, None]
-    term = w[:, k, None].astype(np.float32) * y[np.maximum(row_dst[:, k], 0)].astype(np.float32)
-    acc = acc + np.where(valid, term, np.float32(0))
-  return acc
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("d", [4096, 256, 96])  # Mixtral's D; a small one; not a power of two
 def test_triton_permute_and_combine_equal_xla(d, dtype):
@@ -211,7 +202,7 @@ def test_triton_permute_and_combine_equal_xla(d, dtype):
   w = jnp.where(row_dst < 0, jnp.nan, w)  # skipped slots add nothing, even with a nan weight
   assert "triton" in _combine.lower(y, row_dst, w, impl="pallas").as_text()
   out = np.asarray(_combine(y, row_dst, w, impl="pallas"))
-  ref = _combine_definition(np.asarray(y.astype(jnp.float32)), np.asarray(row_dst), np.asarray(w))
+  ref = combine_numpy(np.asarray(y.astype(jnp.float32)), np.asarray(row_dst), np.asarray(w))
   ref = np.asarray(jnp.asarray(ref).astype(dtype))
   assert np.isfinite(out.astype(np.float32)).all()
   # The kernel's products are rounded on their own (mul.rn): the definition's bits exactly.
