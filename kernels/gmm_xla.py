@@ -3,6 +3,8 @@ group-batched rounds, the choice between them, and the d_rhs loop of the backwar
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -48,6 +50,13 @@ def gmm_run_loop(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
   return lax.while_loop(lambda c: c[0] < used, run, init)[1]
 
 
+def _used_tiles_by_group(tile_group, used, groups: int):
+  """(group of each tile, `groups` for tiles past `used`; used tiles per group)."""
+  num_tiles = tile_group.shape[0]
+  group_T = jnp.where(jnp.arange(num_tiles) < used, tile_group, groups)
+  return group_T, jnp.bincount(group_T, length=groups + 1)[:groups]
+
+
 def gmm_rounds(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
   """Group-batched rounds: round r multiplies the r-th tile of every group by its weights in one
   batched dot over all of rhs, so the weights are read in place (the run loop's per-expert slice is
@@ -57,10 +66,7 @@ def gmm_rounds(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
   groups = rhs.shape[0]
   n_dim = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   num_tiles = tile_group.shape[0]
-  used = jnp.minimum(used, num_tiles)
-  tile = jnp.arange(num_tiles, dtype=jnp.int32)
-  group_T = jnp.where(tile < used, tile_group, groups)  # unused tiles: a group past the last
-  count_G = jnp.bincount(group_T, length=groups + 1)[:groups]
+  group_T, count_G = _used_tiles_by_group(tile_group, jnp.minimum(used, num_tiles), groups)
   order_T = jnp.argsort(group_T, stable=True).astype(jnp.int32)  # tiles of each group in order
   start_G = jnp.cumsum(count_G) - count_G
   lhs_TMK = lhs.reshape(num_tiles, tile_m, k_dim)
@@ -82,14 +88,12 @@ def gmm_xla(lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs):
   """Rounds where they waste little (each round multiplies every group, used or not: decode
   shapes, where the weight reads dominate), the run loop otherwise (skewed or prefill shapes).
   Both compute every tile with the same GEMM, so the choice changes no bit of the result."""
-  groups, num_tiles = rhs.shape[0], tile_group.shape[0]
-  used = jnp.minimum(used, num_tiles)
-  group_T = jnp.where(jnp.arange(num_tiles) < used, tile_group, groups)
-  rounds = jnp.max(jnp.bincount(group_T, length=groups + 1)[:groups])
-  args = (lhs, rhs, tile_group, used, tile_m, out_dtype, transpose_rhs)
-  return lax.cond(rounds * groups <= 2 * used,
-                  lambda a: gmm_rounds(*a[:4], *args[4:]),
-                  lambda a: gmm_run_loop(*a[:4], *args[4:]), args[:4])
+  groups = rhs.shape[0]
+  used = jnp.minimum(used, tile_group.shape[0])
+  rounds = jnp.max(_used_tiles_by_group(tile_group, used, groups)[1])
+  static = dict(tile_m=tile_m, out_dtype=out_dtype, transpose_rhs=transpose_rhs)
+  return lax.cond(rounds * groups <= 2 * used, functools.partial(gmm_rounds, **static),
+                  functools.partial(gmm_run_loop, **static), lhs, rhs, tile_group, used)
 
 
 def tgmm_xla(lhs, d_out, tile_group, used, num_groups, tile_m):
