@@ -88,6 +88,18 @@ def _dest_positions(dest_R: jax.Array, valid_R: jax.Array, n: int, cap: int) -> 
   return jnp.where(valid_R, dest_R * cap + rank_R, -1)
 
 
+def _pack(x_TD, slot_R, valid_R, pos_R, rows: int, ep: EPConfig):
+  """The send buffer: token copy r's row and local slot at pos_R[r] of `rows` rows (other rows:
+  zero, slot -1). Invalid copies scatter out of range: a -1 index would wrap onto the last row,
+  which a valid copy holds when the buffer is exactly full."""
+  k, s = ep.top_k, ep.slots_per_worker
+  drop_R = jnp.where(valid_R, pos_R, rows)
+  src_S = jnp.full((rows,), -1, jnp.int32).at[drop_R].set(
+      jnp.arange(slot_R.shape[0], dtype=jnp.int32) // k, mode="drop")
+  slot_S = jnp.full((rows,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
+  return permute(x_TD, src_S, impl=ep.backend, interpret=ep.interpret), slot_S
+
+
 def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
   # num_groups: the weights may be the stack of every layer's slots, the tiles reference one layer's
   kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
@@ -134,15 +146,9 @@ def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
   kw = dict(impl=ep.backend, interpret=ep.interpret)
   send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
-  # Invalid copies scatter out of range: a -1 index wraps onto the last row, which a valid copy
-  # holds when the last destination's rows are exactly full (a capacity bucket).
-  drop_R = jnp.where(valid_R, send_pos_R, n * cap)
-  src_S = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(
-      jnp.arange(t * k, dtype=jnp.int32) // k, mode="drop")
-  send_ND = permute(x_TD, src_S, **kw).reshape(n, cap, d)
-  send_slot = jnp.full((n * cap,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
+  send_SD, send_slot = _pack(x_TD, slot_R, valid_R, send_pos_R, n * cap, ep)
 
-  recv_ND = jax.lax.all_to_all(send_ND, ep.axis, 0, 0, tiled=True)
+  recv_ND = jax.lax.all_to_all(send_SD.reshape(n, cap, d), ep.axis, 0, 0, tiled=True)
   recv_slot = jax.lax.all_to_all(send_slot.reshape(n, cap), ep.axis, 0, 0, tiled=True)
   back_RD = _expert_side(recv_ND.reshape(n * cap, d), recv_slot.reshape(n * cap), lp, ep)
   home_ND = jax.lax.all_to_all(back_RD.reshape(n, cap, d), ep.axis, 0, 0, tiled=True)
@@ -162,11 +168,7 @@ def _exchange_ragged(ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   start_N = jnp.cumsum(counts_N) - counts_N
   # Stable by destination: position = start of the destination's run + rank among its copies.
   pos_R = jnp.where(valid_R, start_N[dest_R] + _dest_positions(dest_R, valid_R, n, 0), -1)
-  drop_R = jnp.where(valid_R, pos_R, r)
-  src_S = jnp.full((r,), -1, jnp.int32).at[drop_R].set(
-      jnp.arange(r, dtype=jnp.int32) // k, mode="drop")
-  send_RD = permute(x_TD, src_S, **kw)
-  send_slot = jnp.full((r,), -1, jnp.int32).at[drop_R].set(slot_R % s, mode="drop")
+  send_RD, send_slot = _pack(x_TD, slot_R, valid_R, pos_R, r, ep)
 
   # c[i, j]: copies worker i sends to worker j, known to every worker, so each side derives the
   # offsets of both directions without a second exchange. A receiver stores its sources in
