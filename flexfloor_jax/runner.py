@@ -322,6 +322,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
       by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
   per_step = [t for v in by_size.values() for t in v]
   m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
+  median_by_size = {k: float(np.median(v)) for k, v in by_size.items()}
   predicted = np.array([prep.pred_by_seq[s.seq_id] for s in seqs])
   actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
   m["prediction"] = (prediction.prediction_quality(predicted, actual) if len(prep.history)
@@ -340,7 +341,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
            cost_table=({str(k): v for k, v in policy.cost.table.items()}
                        if getattr(policy.cost, "table", None) else None),
            length_buckets=length_buckets(prep.queues, prep.pred_by_seq),
-           step_seconds_measured={str(k): float(np.median(v)) for k, v in by_size.items()},
+           step_seconds_measured={str(k): v for k, v in median_by_size.items()},
            max_seq_len=prep.seq_len,
            compile_plan=dict(cplan.to_json(), waited_for=compiles["waited_for"],
                              wait_s=compiles["wait_s"],
@@ -362,9 +363,9 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
     # also each release against the median decode step of the mesh it released onto
-    ratios = [lat / float(np.median(by_size[k])) for lat, k in
+    ratios = [lat / median_by_size[k] for lat, k in
               zip(eng.release_latencies, eng.release_sizes) if k in by_size]
-    m["decode_step_median_s_by_size"] = {str(k): float(np.median(v)) for k, v in by_size.items()}
+    m["decode_step_median_s_by_size"] = {str(k): v for k, v in median_by_size.items()}
     m["release_latency_over_step_on_new_mesh"] = ratios
   responses = []
   for s in seqs:
@@ -378,7 +379,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
   check_finite_logprobs(responses, r.epoch)  # before the history or any file takes them
   prep.history.add_rollout(r.epoch, seqs,
                            {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
-  prep.history.add_step_seconds({k: float(np.median(v)) for k, v in by_size.items()})
+  prep.history.add_step_seconds(median_by_size)
   return RolloutResult(summary=m, responses=responses, timeline=record.timeline, record=record)
 
 
