@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from flexfloor_jax.policy import planner, scheduler, stepsim
-from flexfloor_jax.policy.controller import ControllerError, Finish, Seq, run
+from flexfloor_jax.policy.controller import ControllerError, Finish, Seq, run, worker_stops
 
 
 def mkseqs(lengths, max_new=64):
@@ -141,3 +141,31 @@ def test_simulated_wall_time():
   expect = m['prefill_steps'] * 0.07 + m['decode_steps'] * 0.02
   assert m['generation_wall_s'] == pytest.approx(expect)
   assert m['throughput_tokens_per_s'] == pytest.approx(80 / expect)
+
+
+def test_stepsim_jump_is_the_stop_rule_applied_step_by_step():
+  """stepsim advances a dispatch in one jump; the engine's device loop applies `worker_stops`
+  after every step. On random slot states and masks both stop after the same step."""
+  rng = np.random.default_rng(7)
+  for _ in range(300):
+    n, b = int(rng.integers(1, 5)), int(rng.integers(1, 4))
+    lengths = rng.integers(2, 12, n * b)
+    seqs = mkseqs(lengths)
+    ex = stepsim.SimExecutor(seqs, n, b)
+    ex.prefill([(w, 0, w * b) for w in range(n)])
+    for s in range(1, b):
+      ex.prefill([(w, s, w * b + s) for w in range(n) if rng.random() < 0.7])
+    rem = np.array([[r if q >= 0 else 0 for q, r in zip(ex.slot_seq[w], ex.remaining[w])]
+                    for w in range(n)])
+    refill, idle = rng.random(n) < 0.5, rng.random(n) < 0.5
+    max_steps = int(rng.integers(1, 16))
+    expect = 0
+    for j in range(1, max_steps + 1):
+      expect = j
+      finished, live = (rem == j).any(1), (rem > j).any(1)
+      if worker_stops(finished, live, refill, idle).any() or not live.any():
+        break
+    if not (rem > 0).any():
+      expect = 0
+    k, _ = ex.decode(max_steps, refill.astype(int), idle.astype(int))
+    assert k == expect, (rem, refill, idle, max_steps)

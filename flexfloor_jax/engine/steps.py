@@ -10,6 +10,7 @@ from flexfloor_jax.engine.spec import EngineSpec, merge_params
 from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.moe import ep_moe
+from flexfloor_jax.policy.controller import worker_stops
 from flexfloor_jax.sampling import sample, sample_one, sequence_key
 
 
@@ -52,7 +53,7 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
 def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC):
   """Up to max_steps decode steps in a `lax.while_loop`; stops after a step in which a worker
   with stop_on_refill had a slot finish, or one with stop_on_idle went from live slots to none,
-  or nothing is live (the rule of policy.controller.dispatch_stops, on device).
+  or nothing is live (policy.controller.worker_stops, the rule the host applies too).
   Returns (state, steps run, expert counts [E])."""
   cfg = spec.cfg
   h, e2s = read_decode(host_PC, cfg.num_experts)
@@ -85,8 +86,7 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
     finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & (tok == cfg.eos_id)))
     sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
                     positions=sc.positions + live.astype(jnp.int32), live=live & ~finished)
-    wake = (jnp.any(finished) & stop_on_refill) | (
-        stop_on_idle & jnp.any(finished) & ~jnp.any(sc.live))
+    wake = worker_stops(jnp.any(finished), jnp.any(sc.live), stop_on_refill, stop_on_idle)
     stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
     any_live = jax.lax.psum(jnp.any(sc.live).astype(jnp.int32), axis) > 0
     counts = counts + aux["expert_counts"].sum(0)

@@ -61,16 +61,26 @@ def finish_reason(num_tokens: int, limit: int, *, target: bool, eos: bool) -> st
   return 'target' if target else 'length'
 
 
+def worker_stops(finished, live, stop_on_refill, stop_on_idle):
+  """The one stop rule, per worker (bool arrays or scalars, numpy or jnp: only `&`, `|`, `~`):
+  a worker asks its decode dispatch to stop after a step in which it had a slot `finished` and
+  either it refills on a finish, or it stops on idle and no slot of its is `live` any more. The
+  dispatch stops when any worker asks, or nothing is live anywhere."""
+  return finished & (stop_on_refill | (stop_on_idle & ~live))
+
+
 def dispatch_stops(finished: list[int], live: set[int], active: list[int],
                    stop_on_refill: np.ndarray, stop_on_idle: np.ndarray) -> bool:
   """Does a decode dispatch stop after a step in which the workers `finished` each had a slot
-  finish (one entry per finish), leaving `live` as the workers with live slots? The rule of
-  Executor.decode (masks by position in `active`); the engine's device loop runs it on device."""
+  finish (one entry per finish), leaving `live` as the workers with live slots? `worker_stops`
+  over the active workers (masks by position in `active`); the engine's device loop applies
+  the same function on device."""
   if not live:
     return True
-  pos = {w: i for i, w in enumerate(active)}
-  return any(stop_on_refill[pos[w]] or (stop_on_idle[pos[w]] and w not in live)
-             for w in finished)
+  fin = np.array([w in set(finished) for w in active], bool)
+  alive = np.array([w in live for w in active], bool)
+  return bool(np.any(worker_stops(fin, alive, np.asarray(stop_on_refill, bool),
+                                  np.asarray(stop_on_idle, bool))))
 
 
 class Executor(Protocol):
