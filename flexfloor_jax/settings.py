@@ -22,6 +22,8 @@ from typing import Any, Callable, Optional
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS
 from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
+from flexfloor_jax.rl import tasks as tasks_lib
+from flexfloor_jax.tokenizer import ByteTokenizer
 
 
 class ConfigError(ValueError):
@@ -30,7 +32,6 @@ class ConfigError(ValueError):
 
 DTYPES = ("float32", "bfloat16", "float16")
 EXCHANGES = ("auto", "all_to_all", "ragged")  # moe.EXCHANGES and 'auto' (moe.py imports jax)
-LENGTH_MODES = ("auto", "model", "workload")  # or a lengths JSONL file
 _REQUIRED = object()
 
 
@@ -163,11 +164,9 @@ class SchedulerSettings:
 
 def _model(c) -> ModelSettings:
   r = _Reader(c.get("model"), "model")
-  dtype = r.raw("dtype")
-  if dtype not in DTYPES:
-    extra = (" (JAX computes float64 as float32 unless jax_enable_x64 is set: the run would not "
-             "be what was asked)" if dtype == "float64" else "")
-    raise ConfigError(f"model.dtype: must be one of {_choices(DTYPES)}, got {dtype!r}{extra}")
+  dtype = r.choice("dtype", DTYPES, note=" (JAX computes float64 as float32 unless "
+                   "jax_enable_x64 is set: the run would not be what was asked)"
+                   if r.raw("dtype") == "float64" else "")
   seq = r.raw("max_seq_len")
   if not isinstance(seq, numbers.Integral) or isinstance(seq, bool) or seq < 0 or seq == 1:
     r.fail("max_seq_len", "0 (the longest prompt + rollout.max_new_tokens, capped by the "
@@ -189,7 +188,7 @@ def _mesh(c) -> MeshSettings:
 def _rollout(c) -> RolloutSettings:
   r = _Reader(c.get("rollout"), "rollout")
   lengths = r.text("lengths")
-  if lengths not in LENGTH_MODES and not os.path.isfile(lengths):
+  if lengths not in ("auto", "model", "workload") and not os.path.isfile(lengths):
     raise ConfigError(f"rollout.lengths: must be 'model', 'workload' or a lengths JSONL file; "
                       f"{lengths!r} is neither (file not found)")
   return RolloutSettings(
@@ -206,11 +205,10 @@ def _rollout(c) -> RolloutSettings:
 
 def _workload(c) -> WorkloadSettings:
   r, d = _Reader(c.get("workload"), "workload", optional=True), WorkloadSettings()
-  return WorkloadSettings(
-      sigma=r.num("sigma", default=d.sigma), median=r.num("median", lo_open=True,
-                                                          default=d.median),
-      epoch_noise=r.num("epoch_noise", default=d.epoch_noise),
-      sample_noise=r.num("sample_noise", default=d.sample_noise))
+  return WorkloadSettings(sigma=r.num("sigma", default=d.sigma),
+                          median=r.num("median", lo_open=True, default=d.median),
+                          epoch_noise=r.num("epoch_noise", default=d.epoch_noise),
+                          sample_noise=r.num("sample_noise", default=d.sample_noise))
 
 
 def _sampling(c) -> SamplingSettings:
@@ -296,7 +294,6 @@ def _bench(c, parts: dict) -> BenchSettings:
 
 
 def _rl(c, parts: dict) -> RLSettings:
-  from flexfloor_jax.rl import tasks as tasks_lib
   r = _Reader(c.get("rl"), "rl")
   try:
     tasks = tuple(tasks_lib.parse_tasks(r.raw("tasks")))
@@ -307,8 +304,7 @@ def _rl(c, parts: dict) -> RLSettings:
   return RLSettings(
       tasks=tasks, num_prompts=r.int("num_prompts"), task_size=r.int("task_size"),
       prompt_seed=r.int("prompt_seed", 0), reward_fn=reward_fn,
-      lr=r.num("lr"),  # 0: a no-learning control run (tests/test_rl_grpo.py)
-      weight_decay=r.num("weight_decay"), b1=r.num("b1", 0, 1, hi_open=True),
+      lr=r.num("lr"), weight_decay=r.num("weight_decay"), b1=r.num("b1", 0, 1, hi_open=True),
       b2=r.num("b2", 0, 1, hi_open=True), grad_clip=r.num("grad_clip", lo_open=True),
       clip_eps=r.num("clip_eps", lo_open=True), kl_beta=r.num("kl_beta"),
       aux_coef=r.num("aux_coef"), updates_per_step=r.int("updates_per_step"),
@@ -327,12 +323,9 @@ def _sft(c, parts: dict) -> SFTSettings:
                       f"sft.num_prompts={s.num_prompts} examples")
   # The closing evaluation rollout's prompts (the byte tokenizer of the preset), checked as the
   # runner will check them after training.
-  from flexfloor_jax.rl import tasks as tasks_lib
-  from flexfloor_jax.tokenizer import ByteTokenizer
   rl, ro, seq = parts["rl"], parts["rollout"], parts["model"].max_seq_len
-  tok = ByteTokenizer()
   for row in tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size):
-    n = len(tok.encode(row["prompt"], add_bos=True))
+    n = len(ByteTokenizer().encode(row["prompt"], add_bos=True))
     if n > ro.max_prompt_len or (seq and n + ro.max_new_tokens > seq):
       raise ConfigError(f"rl.task_size={rl.task_size}: evaluation prompt {row['id']!r} has {n} "
                         f"tokens; it needs rollout.max_prompt_len >= {n} and model.max_seq_len "
@@ -390,8 +383,7 @@ def load(config, entry: str = "rollout") -> Settings:
   preset = r.choice("preset", tuple(PRESETS))
   schedule = r.choice("schedule", plan.SCHEDULES)
   parts = dict(model=_model(config), mesh=_mesh(config), rollout=_rollout(config),
-               workload=_workload(config), sampling=_sampling(config),
-               scheduler=_scheduler(config))
+               workload=_workload(config), sampling=_sampling(config), scheduler=_scheduler(config))
   m, ro = parts["model"], parts["rollout"]
   if m.max_seq_len and ro.max_prompt_len > m.max_seq_len:
     raise ConfigError(f"rollout.max_prompt_len={ro.max_prompt_len} exceeds model.max_seq_len="
