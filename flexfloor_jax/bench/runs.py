@@ -133,7 +133,7 @@ def run_bench(config, st=None, *, progress: bool = True):
   from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.sim import presets, records as sim_records
 
-  st = st or settings.load(config, "bench")
+  st = settings.load(config, "bench") if st is None else st
   pool = engine_lib.StepCachePool()
   hw = presets.HARDWARE[st.bench.roofline_hardware]
   history = LengthHistory()
