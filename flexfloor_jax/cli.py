@@ -1,8 +1,7 @@
 """Shared bits of the command-line entry points: one-line errors, the --config flag with "did you
-mean" help for misspelled fields, and the field checks every entry point runs before any heavy
-import (rollout, sft, train)."""
+mean" help for misspelled fields, and the rollout's input checks before any heavy import (the
+config's fields are checked by settings.load)."""
 
-import math
 import os
 import re
 import sys
@@ -73,77 +72,6 @@ def config_loaded(config) -> None:
     config_file_error(e)
 
 
-# ----------------------------------------------------------------------------- field checks
-
-
-class ConfigError(ValueError):
-  """A config field with a value no run can use; the message names the field."""
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_num(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def check_int(config, name: str, lo: int = 1) -> None:
-  """Field `name` (dotted) must be an integer >= lo."""
-  v = _get(config, name)
-  if not _is_int(v) or v < lo:
-    raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-
-
-def check_num(config, name: str, lo: float = 0.0, hi: float = math.inf, *,
-              lo_open: bool = False, hi_open: bool = False) -> None:
-  """Field `name` (dotted) must be a finite number in the interval lo..hi."""
-  v = _get(config, name)
-  ok = _is_num(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-  if not ok:
-    iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
-    raise ConfigError(f"{name} must be a finite number in {iv}, got {v!r}")
-
-
-def _get(config, name: str):
-  v = config
-  for part in name.split("."):
-    v = v[part]
-  return v
-
-
-def validate_common(config) -> None:
-  """Fields of the model / mesh / rollout sections that the runner does not check, or checks
-  only after loading the model and compiling (a JAX error then). Numpy-free, jax-free."""
-  m, r = config.model, config.rollout
-  if m.dtype not in DTYPES:
-    extra = (" (JAX computes float64 as float32 unless jax_enable_x64 is set: the run would not "
-             "be what was asked)" if m.dtype == "float64" else "")
-    raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}{extra}")
-  check_int(config, "model.max_seq_len", 0)  # 0 = longest prompt + max_new_tokens (the runner)
-  for name in ("rollout.max_prompt_len", "rollout.max_new_tokens",
-               "rollout.samples_per_prompt", "rollout.slots_per_worker",
-               "rollout.steps_per_dispatch", "rollout.num_prompts"):
-    check_int(config, name)
-  check_int(config, "mesh.num_devices", 0)
-  check_int(config, "rollout.epoch", 0)
-  gb = config.mesh.device_memory_gb
-  if not _is_num(gb) or gb < 0:
-    raise ConfigError(f"mesh.device_memory_gb must be a number >= 0 (0 = the device's own "
-                      f"memory), got {gb!r}")
-  if m.max_seq_len and r.max_prompt_len > m.max_seq_len:
-    raise ConfigError(f"rollout.max_prompt_len={r.max_prompt_len} exceeds model.max_seq_len="
-                      f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
-                      "cache of max_seq_len)")
-  for name in ("model.checkpoint", "rollout.prompts", "rollout.output_dir",
-               "scheduler.history_path"):
-    if not isinstance(_get(config, name), str):
-      raise ConfigError(f"{name} must be a string, got {_get(config, name)!r}")
-
-
 def load_config(name: str, preset: str = ""):
   """get_config(preset) of configs/<name>.py, loaded by path as config_flags loads config files
   (so that it works from any working directory)."""
@@ -201,17 +129,16 @@ def process_log(output_dir: str):
 
 
 def prepare_rollout(config):
-  """Every check that needs no JAX (rollout.output_dir included: a file, read-only or not
-  creatable), then the length history loaded against this model (runner.load_history, which
-  runner.run applies too when called without one). Raises runner.RolloutError or
-  cli.ConfigError."""
-  from flexfloor_jax import rollout_inputs, runner
+  """The rollout's settings (settings.load: every field) and every other check that needs no JAX
+  (rollout.output_dir included: a file, read-only or not creatable), then the length history
+  loaded against this model (runner.load_history, which runner.run applies too when called
+  without one): (settings, history). Raises settings.ConfigError or runner.RolloutError."""
+  from flexfloor_jax import rollout_inputs, runner, settings
 
-  validate_common(config)
-  runner.validate_config(config)
-  model_cfg = rollout_inputs.model_config(config)
-  r = config.rollout
-  if not config.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
+  st = settings.load(config)
+  model_cfg = rollout_inputs.model_config(st)
+  r = st.rollout
+  if not st.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
     raise runner.RolloutError(
         f"rollout.max_prompt_len={r.max_prompt_len} exceeds the model's max_position_embeddings="
         f"{model_cfg.max_position_embeddings}, the longest KV cache (model.max_seq_len) it allows")
@@ -224,5 +151,5 @@ def prepare_rollout(config):
         pass
     except ValueError as e:
       raise runner.RolloutError(f"rollout.prompts: {e}") from None
-  runner.check_output_dir(config)
-  return runner.load_history(config, model_cfg)
+  runner.check_output_dir(st)
+  return st, runner.load_history(st, model_cfg)

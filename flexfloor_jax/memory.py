@@ -77,7 +77,7 @@ def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_toke
 def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> FloorTerms:
   r = config.rollout
   return floor_terms(model_cfg, r.slots_per_worker, max_seq_len or config.model.max_seq_len,
-                     r.max_new_tokens, bool(r.get("record_routes", False)))
+                     r.max_new_tokens, r.record_routes)
 
 
 def main(argv=None):

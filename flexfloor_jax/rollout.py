@@ -22,30 +22,30 @@ def main(argv):
   config = _CONFIG.value
   config_loaded(config)
   from flexfloor_jax import runner
-  from flexfloor_jax.cli import ConfigError
-  try:
-    history = prepare_rollout(config)  # before jax starts: bad input fails in well under a second
+  from flexfloor_jax.settings import ConfigError
+  try:  # before jax starts: bad input fails in well under a second
+    st, history = prepare_rollout(config)
   except (ConfigError, runner.RolloutError) as e:
     fail(str(e))
   emulate_cpu_devices(_CPU_DEVICES.value or distributed.local_cpu_devices()
-                      or config.mesh.cpu_devices)
+                      or st.mesh.cpu_devices)
   distributed.initialize_from_flags(_DIST_FLAGS)  # no-op unless multi-process is configured
   from flexfloor_jax.cli import enable_compilation_cache
   enable_compilation_cache()
   from flexfloor_jax.model.checkpoint import CheckpointError
   try:
-    res = runner.run(config, history=history)
+    res = runner.run(st, history=history)
   except runner.RolloutError as e:
     fail(str(e))
   except CheckpointError as e:  # found while reading the tensors (NaN values, say)
     fail(f"model.checkpoint: {e}")
   s = res.summary
-  log = process_log(config.rollout.output_dir)
+  log = process_log(st.rollout.output_dir)
   log(f"{s['schedule']}: {s['num_sequences']} responses, {s['generated_tokens']} tokens, "
       f"{s['device_steps']} device-steps, tokens/device-step {s['tokens_per_device_step']:.3f}, "
       f"idle after finish {s['idle_after_finish_fraction']:.3f}, slot utilization "
       f"{s['slot_utilization']:.3f}, {s['throughput_tokens_per_s']:.1f} tokens/s; "
-      f"{release_line(s)}; outputs in {config.rollout.output_dir}/")
+      f"{release_line(s)}; outputs in {st.rollout.output_dir}/")
 
 
 def release_line(s: dict) -> str:

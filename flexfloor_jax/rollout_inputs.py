@@ -1,6 +1,7 @@
-"""What a rollout reads from the user (config fields, model shape, prompts, lengths file, length
-history, output directory, memory budget), checked with one RolloutError naming the field or file,
-before anything is compiled. Imports no JAX at module level.
+"""What a rollout reads from the user besides the config's fields (settings.py checks those):
+model shape, prompts, lengths file, length history, output directory, memory budget, checked with
+one RolloutError naming the field or file, before anything is compiled. Each function takes the
+rollout's settings (settings.Settings). Imports no JAX at module level.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import dataclasses
 import os
 from typing import Optional
 
-from flexfloor_jax.policy import costs, outputs, plan, workload
+from flexfloor_jax.policy import outputs, workload
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.jsonl import iter_jsonl
@@ -38,63 +39,12 @@ def _check(cond: bool, msg: str):
     raise RolloutError(msg)
 
 
-def validate_config(config) -> None:
-  r, s = config.rollout, config.sampling
-  _check(config.schedule in plan.SCHEDULES,
-         f"schedule must be one of {plan.SCHEDULES}, got {config.schedule!r}")
-  for k, v in (config.get("workload") or {}).items():
-    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-           and (k != "median" or v > 0),
-           f"workload.{k} must be a number >= 0 (median > 0), got {v!r}")
-  slack = config.scheduler.get("makespan_slack", 0.05)
-  _check(isinstance(slack, (int, float)) and not isinstance(slack, bool) and 0 <= slack <= 1,
-         f"scheduler.makespan_slack must be a fraction in [0, 1], got {slack!r}")
-  _check(config.scheduler.get("step_cost", "auto") in costs.STEP_COSTS,
-         f"scheduler.step_cost must be one of {costs.STEP_COSTS}, got "
-         f"{config.scheduler.get('step_cost')!r}")
-  _check(config.scheduler.get("placement", "auto") in plan.PLACEMENTS,
-         f"scheduler.placement must be one of {plan.PLACEMENTS}, got "
-         f"{config.scheduler.get('placement')!r}")
-  _check(r.max_new_tokens > 0, f"rollout.max_new_tokens must be > 0, got {r.max_new_tokens}")
-  _check(r.samples_per_prompt > 0,
-         f"rollout.samples_per_prompt must be > 0, got {r.samples_per_prompt}")
-  _check(r.slots_per_worker > 0, f"rollout.slots_per_worker must be > 0, got {r.slots_per_worker}")
-  _check(r.steps_per_dispatch > 0,
-         f"rollout.steps_per_dispatch must be > 0, got {r.steps_per_dispatch}")
-  _check(r.max_prompt_len > 0, f"rollout.max_prompt_len must be > 0, got {r.max_prompt_len}")
-  _check(r.epoch >= 0, f"rollout.epoch must be >= 0, got {r.epoch}")
-  _check(s.temperature >= 0, f"sampling.temperature must be >= 0, got {s.temperature}")
-  _check(0 < s.top_p <= 1, f"sampling.top_p must be in (0, 1], got {s.top_p}")
-  _check(s.top_k >= 0, f"sampling.top_k must be >= 0, got {s.top_k}")
-  from flexfloor_jax.model.config import MOE_BACKENDS  # jax-free: checked before jax starts
-  _check(config.model.moe_backend in MOE_BACKENDS,
-         f"model.moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
-         f"{config.model.moe_backend!r}")
-  _check(config.mesh.num_devices >= 0,
-         f"mesh.num_devices must be >= 0, got {config.mesh.num_devices}")
-  # moe.EXCHANGES plus 'auto', spelled out: validation runs before jax is imported
-  _check(config.model.get("exchange", "auto") in ("auto", "all_to_all", "ragged"),
-         f"model.exchange must be 'auto', 'all_to_all' or 'ragged', got "
-         f"{config.model.get('exchange')!r}")
-  _check(config.model.max_seq_len == 0 or config.model.max_seq_len > 1,
-         f"model.max_seq_len must be 0 (longest prompt + rollout.max_new_tokens, capped by the "
-         f"model's max_position_embeddings) or > 1, got {config.model.max_seq_len}")
-  threads = r.get("compile_threads", 0)
-  _check(isinstance(threads, int) and not isinstance(threads, bool) and threads >= 0,
-         f"rollout.compile_threads must be an integer >= 0 (0 = one per core, at most 4), "
-         f"got {threads!r}")
-  _check(r.lengths in ("auto", "model", "workload") or os.path.isfile(r.lengths),
-         f"rollout.lengths must be 'model', 'workload' or a lengths JSONL file; "
-         f"{r.lengths!r} is neither (file not found)")
-
-
 def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
   r = config.rollout
   if not r.prompts:
     _check(tokenizer is not None, "rollout.prompts is empty (built-in prompts) but the model has "
            "no tokenizer: give a JSONL of {\"id\", \"tokens\"}")
     n = r.num_prompts
-    _check(n > 0, f"rollout.num_prompts must be > 0, got {n}")
     return [Prompt(f"builtin-{i}", tokenizer.encode(BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)],
                                                     add_bos=True),
                    BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)]) for i in range(n)]
@@ -157,6 +107,15 @@ def check_output_dir(config) -> None:
     raise RolloutError(str(e)) from None
 
 
+def lock_output_dir(config) -> outputs.DirLock:
+  """rollout.output_dir locked for this run (policy/outputs.py): RolloutError naming the holder
+  when another run has it."""
+  try:
+    return outputs.acquire(config.rollout.output_dir, "rollout.output_dir")
+  except outputs.OutputDirError as e:
+    raise RolloutError(str(e)) from None
+
+
 # ------------------------------------------------------------------ sequences, cache, budget
 
 
@@ -168,16 +127,12 @@ def resolve_lengths_mode(config) -> str:
 
 
 def workload_spec(config, num_prompts: int) -> workload.WorkloadSpec:
-  w = config.get("workload") or {}
+  w = config.workload
   return workload.WorkloadSpec(num_prompts=num_prompts,
                                samples_per_prompt=config.rollout.samples_per_prompt,
                                seed=config.sampling.seed, cap=config.rollout.max_new_tokens,
-                               sigma=float(w.get("sigma", workload.DEFAULT_SIGMA)),
-                               median=float(w.get("median", workload.DEFAULT_MEDIAN)),
-                               epoch_noise=float(w.get("epoch_noise",
-                                                       workload.DEFAULT_EPOCH_NOISE)),
-                               sample_noise=float(w.get("sample_noise",
-                                                        workload.DEFAULT_SAMPLE_NOISE)))
+                               sigma=w.sigma, median=w.median, epoch_noise=w.epoch_noise,
+                               sample_noise=w.sample_noise)
 
 
 def build_seqs(config, prompts: list[Prompt], mode: str) -> list[Seq]:

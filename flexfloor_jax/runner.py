@@ -11,23 +11,23 @@ a failed or killed run leaves the previous set, never a mix.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any, Optional
 
 import numpy as np
 
+from flexfloor_jax import settings
 from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, release_sizes
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary
+from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary, warn_held
 from flexfloor_jax.rollout_inputs import (Prompt, RolloutError, build_seqs, check_output_dir,
                                           check_prompts, history_file, load_history, load_prompts,
-                                          memory_budget_bytes, model_config, resolve_lengths_mode,
-                                          resolve_max_seq_len, validate_config)
+                                          lock_output_dir, memory_budget_bytes, model_config,
+                                          resolve_lengths_mode, resolve_max_seq_len)
 from flexfloor_jax.rollout_outputs import OutputError, check_finite_logprobs, publish_outputs
 
 
@@ -93,18 +93,15 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   workers score finished responses, rl/reuse.py).
   write_outputs: rollout.output_dir is checked and locked (policy/outputs.py) before anything is
   compiled, and the outputs are published there as one set; a failure to write them raises
-  OutputError, which holds the result."""
+  OutputError, which holds the result. `config`: settings.Settings, or a config that
+  settings.load checks (ConfigError) before the heavy imports."""
   t_setup = time.perf_counter()
-  validate_config(config)  # before the heavy imports: bad fields fail in well under a second
+  config = settings.as_settings(config)
   if write_outputs:
     check_output_dir(config)
   import jax
-  lock = None
-  if write_outputs and jax.process_index() == 0:  # the process that writes the outputs
-    try:
-      lock = outputs.acquire(config.rollout.output_dir, "rollout.output_dir")
-    except outputs.OutputDirError as e:
-      raise RolloutError(str(e)) from None
+  # only the process that writes the outputs (process 0) locks the directory
+  lock = lock_output_dir(config) if write_outputs and jax.process_index() == 0 else None
   try:
     prep = prepare(config, devices=devices, model_cfg=model_cfg, tokenizer=tokenizer,
                    history=history)
@@ -131,7 +128,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       lock.release()
 
 
-def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
+def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenizer=None,
             history: Optional[LengthHistory] = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
@@ -167,19 +164,14 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
   slots = footprint.preallocated_slots(config.schedule, e, n, floor)
-  try:
-    allowed = release_sizes(config.scheduler.get("release_sizes", ""), n, floor)
-  except ValueError as err:
-    raise RolloutError(f"scheduler.release_sizes: {err}") from None
+  allowed = release_sizes(config.scheduler.release_sizes, n, floor)  # checked by settings
 
   chain = list(range(n))
-  step_cost = costs.resolve(config.scheduler.get("step_cost", "auto"), devices[0].platform)
+  step_cost = costs.resolve(config.scheduler.step_cost, devices[0].platform)
   queues, policy, pred_by_seq = plan.plan_rollout(
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
-      placement=config.scheduler.get("placement", "auto"),
-      compaction=bool(config.scheduler.compaction),
-      epoch=r.epoch, sizes=allowed,
-      makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
+      placement=config.scheduler.placement, compaction=config.scheduler.compaction,
+      epoch=r.epoch, sizes=allowed, makespan_slack=config.scheduler.makespan_slack,
       step_cost=step_cost)
   placement = ExpertPlacement.initial(e, chain, slots, num_workers=n)
   return Prepared(model_cfg=model_cfg, tokenizer=tokenizer, prompts=prompts, seqs=seqs, mode=mode,
@@ -192,7 +184,7 @@ def prepare(config, *, devices=None, model_cfg=None, tokenizer=None,
                                        reverse=True) if flex else [])
 
 
-def engine_spec(config, prep: Prepared):
+def engine_spec(config: settings.Settings, prep: Prepared):
   """The EngineSpec of this rollout (one compiled shape per mesh size)."""
   from flexfloor_jax import engine as engine_lib
   from flexfloor_jax.model.config import resolve_moe_backend
@@ -203,14 +195,14 @@ def engine_spec(config, prep: Prepared):
   return engine_lib.EngineSpec(
       cfg=prep.model_cfg, slots_per_worker=r.slots_per_worker, expert_slots=prep.expert_slots,
       max_seq_len=prep.seq_len, max_prompt_len=r.max_prompt_len,
-      max_new_tokens=r.max_new_tokens, exchange=config.model.get("exchange", "auto"),
+      max_new_tokens=r.max_new_tokens, exchange=config.model.exchange,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
-      moe_backend=moe_impl, interpret=moe_interpret,
-      record_routes=bool(r.get("record_routes", False)))
+      moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes)
 
 
-def build_engine(config, prep: Prepared, *, params=None, step_cache=None) -> Built:
+def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
+                 step_cache=None) -> Built:
   """Params (loaded only now: every input check passed), the engine and its sequences; the
   smaller meshes a release may leave start compiling in the order the plan reaches them
   (policy/compile_plan.py), each with the movers of the devices its releases touch."""
@@ -238,10 +230,10 @@ def build_engine(config, prep: Prepared, *, params=None, step_cache=None) -> Bui
   # wait_plan_compiles (the default): only the sizes the plan expects are compiled, and waited
   # for; compiling the others in the background slowed generation more than the releases they
   # allow saved (README, Performance), and a release to them is held and reported instead.
-  plan_only = (bool(cplan) and not r.wait_compiles and bool(r.get("wait_plan_compiles", True))
+  plan_only = (bool(cplan) and not r.wait_compiles and r.wait_plan_compiles
                and jax.process_count() == 1)
   spec = engine_spec(config, prep)
-  compile_threads = int(r.get("compile_threads", 0))
+  compile_threads = r.compile_threads
   pool = step_cache if isinstance(step_cache, engine_lib.StepCachePool) else None
   if pool is not None:  # the pool's cache for this spec (kept across runs); closed after the run
     step_cache = pool.get(spec, prep.devices, prep.chain, *engine_lib.abstract_split(params),
@@ -263,7 +255,7 @@ def build_engine(config, prep: Prepared, *, params=None, step_cache=None) -> Bui
                close_steps=pool is not None or step_cache is None)
 
 
-def wait_for_compiles(config, prep: Prepared, built: Built):
+def wait_for_compiles(config: settings.Settings, prep: Prepared, built: Built):
   """(policy, sizes waited for, seconds waited). The executables of the smaller meshes compile in
   background threads. rollout.wait_compiles: wait for all of them (reproducible releases:
   benchmarks, tests). Else wait for the sizes the plan expects to reach (rollout.wait_plan_compiles)
@@ -289,9 +281,11 @@ def wait_for_compiles(config, prep: Prepared, built: Built):
 def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=None):
   """The control loop over the engine; returns the controller's record."""
   import jax
+  from tqdm import tqdm
 
   from flexfloor_jax.policy import controller
-  bar = _progress(len(prep.seqs), progress and jax.process_index() == 0)
+  bar = tqdm(total=len(prep.seqs), desc="responses", unit="seq", leave=False,
+             disable=not (progress and jax.process_index() == 0))
   try:
     def released(workers):
       if on_release is not None:
@@ -308,8 +302,8 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
   return record
 
 
-def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: float,
-              compiles: dict) -> RolloutResult:
+def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, record, *,
+              setup_s: float, compiles: dict) -> RolloutResult:
   """summary.json's metrics and the responses; checks the log-probs are finite and adds this
   rollout to the length history (which the caller publishes)."""
   r, eng, cplan, seqs = config.rollout, built.engine, built.cplan, prep.seqs
@@ -335,12 +329,12 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
            release_latency_s=eng.release_latencies,
            expert_counts=eng.expert_counts.tolist(), epoch=r.epoch,
            num_sequences=len(seqs), num_prompts=len(prep.prompts),
-           makespan_slack=float(config.scheduler.get("makespan_slack", 0.05)),
+           makespan_slack=config.scheduler.makespan_slack,
            step_cost=prep.step_cost,
            cost_model=getattr(policy.cost, "name", None) if policy.enabled else None,
            cost_table=({str(k): v for k, v in policy.cost.table.items()}
                        if getattr(policy.cost, "table", None) else None),
-           length_buckets=length_buckets(prep.queues, prep.pred_by_seq),
+           length_buckets=plan.length_buckets(prep.queues, prep.pred_by_seq),
            step_seconds_measured={str(k): v for k, v in median_by_size.items()},
            max_seq_len=prep.seq_len,
            compile_plan=dict(cplan.to_json(), waited_for=compiles["waited_for"],
@@ -351,14 +345,7 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
                                         for k, a, z in eng.steps.compile_log if a >= t_setup})
            if cplan else None,
            **held_summary(policy))
-  if m["releases_held_for_compile_steps"]:
-    logging.getLogger(__name__).warning(
-        "releases held back %d steps waiting for compiles: %s (%d device-steps); "
-        "--config.rollout.wait_compiles=true compiles every size before the first step",
-        m["releases_held_for_compile_steps"],
-        ", ".join(f"size {k} for {v} steps" for k, v in
-                  sorted(m["releases_held_for_compile"].items(), key=lambda kv: -int(kv[0]))),
-        m["releases_held_for_compile_device_steps"])
+  warn_held(m)
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)
@@ -383,25 +370,9 @@ def summarize(config, prep: Prepared, built: Built, policy, record, *, setup_s: 
   return RolloutResult(summary=m, responses=responses, timeline=record.timeline, record=record)
 
 
-def length_buckets(queues: dict[int, list[int]], predicted: dict[int, float]) -> list[dict]:
-  """Per worker, the predicted lengths it was given (its queue is longest first: sequences of
-  similar length run together there, so its slots empty together)."""
-  out = []
-  for w in sorted(queues):
-    p = [float(predicted[q]) for q in queues[w]]
-    out.append(dict(worker=int(w), seqs=len(p), predicted_min=min(p) if p else None,
-                    predicted_max=max(p) if p else None,
-                    predicted_total=float(sum(p))))
-  return out
-
-
-def _progress(total: int, enabled: bool):
-  from tqdm import tqdm
-  return tqdm(total=total, desc="responses", unit="seq", disable=not enabled, leave=False)
-
-
 class _ProgressExecutor:
-  """Forwards to the engine, ticks the progress bar on every finish, reports releases."""
+  """Forwards to the engine (migrate, active_workers: the engine's own), ticks the progress bar
+  on every finish, reports releases."""
 
   def __init__(self, eng, bar, released):
     self._eng, self._bar, self._released = eng, bar, released
@@ -417,13 +388,10 @@ class _ProgressExecutor:
     self._bar.update(len(out))
     return k, out
 
-  def migrate(self, moves):
-    return self._eng.migrate(moves)
-
   def shrink(self, new_active):
     info = self._eng.shrink(new_active)
     self._released(info["released"])
     return info
 
-  def active_workers(self):
-    return self._eng.active_workers()
+  def __getattr__(self, name):
+    return getattr(self._eng, name)

@@ -477,7 +477,7 @@ def test_exchange_setting_reaches_the_layer():
   check and EPConfig alike."""
   from flexfloor_jax import engine as engine_lib
   from flexfloor_jax.cli import load_config
-  from flexfloor_jax.rollout_inputs import RolloutError, validate_config
+  from flexfloor_jax.settings import ConfigError, load
   spec = engine_lib.EngineSpec(cfg=TINY, slots_per_worker=2, expert_slots=4, max_seq_len=16,
                                max_prompt_len=8, max_new_tokens=8, sampling=None)
   auto = "all_to_all" if jax.default_backend() == "cpu" else "ragged"
@@ -487,7 +487,7 @@ def test_exchange_setting_reaches_the_layer():
     dataclasses.replace(spec, exchange="nccl").ep(2, 8)
   c = load_config("mixtral", "tiny")
   assert c.model.exchange == "auto"
-  validate_config(c)
+  assert load(c).model.exchange == "auto"
   c.model.exchange = "nccl"
-  with pytest.raises(RolloutError, match="model.exchange must be"):
-    validate_config(c)
+  with pytest.raises(ConfigError, match="model.exchange: must be"):
+    load(c)

@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import runner
+from flexfloor_jax import settings
 from flexfloor_jax.cli import load_config
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS, resolve_moe_backend
 from flexfloor_jax.rl import actor as actor_lib
@@ -44,28 +44,28 @@ def test_config_default_is_auto_and_the_check_names_the_field():
   c = load_config("mixtral", "tiny")
   assert c.model.moe_backend == "auto"
   assert c.model.moe_backend in MOE_BACKENDS
-  runner.validate_config(c)  # the defaults pass
+  settings.load(c)  # the defaults pass
   for ok in MOE_BACKENDS:
     c.model.moe_backend = ok
-    runner.validate_config(c)
+    assert settings.load(c).model.moe_backend == ok
   c.model.moe_backend = "triton"
-  with pytest.raises(runner.RolloutError) as err:
-    runner.validate_config(c)
+  with pytest.raises(settings.ConfigError) as err:
+    settings.load(c)
   msg = str(err.value)
-  assert msg.startswith("model.moe_backend ") and "'triton'" in msg, msg
+  assert msg.startswith("model.moe_backend: ") and "'triton'" in msg, msg
   assert all(name in msg for name in MOE_BACKENDS), msg
 
 
 def test_check_runs_before_jax_starts():
   """The CLIs check every field before jax is imported: the check must not import it."""
   code = ("import sys\n"
-          "from flexfloor_jax import runner\n"
+          "from flexfloor_jax import settings\n"
           "from flexfloor_jax.cli import load_config\n"
           "c = load_config('mixtral', 'tiny')\n"
           "c.model.moe_backend = 'bogus'\n"
           "try:\n"
-          "  runner.validate_config(c)\n"
-          "except runner.RolloutError as e:\n"
+          "  settings.load(c)\n"
+          "except settings.ConfigError as e:\n"
           "  print('error:', e)\n"
           "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
           "assert not bad, bad\n")

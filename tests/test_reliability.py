@@ -401,22 +401,22 @@ def test_bad_inputs_fail_in_one_line_before_jax(tmp_path):
 
 
 def test_validation_helpers_name_the_field():
-  from flexfloor_jax.cli import ConfigError, load_config, validate_common
-  from flexfloor_jax.rl import sft, train
+  from flexfloor_jax.cli import load_config
+  from flexfloor_jax.settings import ConfigError, load
   c = load_config("grpo", "tiny")
-  validate_common(c), train.validate(c), sft.validate(c)  # the defaults pass
+  load(c), load(c, "train"), load(c, "sft")  # the defaults pass
   bad = load_config("grpo", "tiny")
   bad.sft.batch_size = 5000
-  with pytest.raises(sft.SFTError, match=r"sft.batch_size=5000 exceeds .* sft.num_prompts"):
-    sft.validate(bad)
+  with pytest.raises(ConfigError, match=r"sft.batch_size=5000 exceeds .* sft.num_prompts"):
+    load(bad, "sft")
   bad = load_config("grpo", "tiny")
   bad.rl.b2 = 1.0
-  with pytest.raises(train.TrainError, match=r"rl.b2"):
-    train.validate(bad)
+  with pytest.raises(ConfigError, match=r"rl.b2"):
+    load(bad, "train")
   bad = load_config("mixtral", "tiny")
   bad.rollout.max_new_tokens = 0
   with pytest.raises(ConfigError, match=r"rollout.max_new_tokens"):
-    validate_common(bad)
+    load(bad)
 
 
 # ----------------------------------------------------------------------------- 8. history

@@ -28,34 +28,33 @@ def main(argv):
   del argv
   config = _CONFIG.value
   cli.config_loaded(config)
-  from flexfloor_jax import runner
+  from flexfloor_jax import runner, settings
   from flexfloor_jax.bench import report, runs
-  from flexfloor_jax.cli import ConfigError, enable_compilation_cache, fail
+  from flexfloor_jax.cli import enable_compilation_cache, fail
   try:  # every field checked before jax starts, as the rollout CLI does
-    cli.validate_common(config)
-    runner.validate_config(config)
-    runs.validate_bench(config)
-  except (ConfigError, runner.RolloutError) as e:
+    st = settings.load(config, "bench")
+  except settings.ConfigError as e:
     fail(str(e))
+  out = st.bench.output_dir
   try:  # checked and locked before jax starts: a second bench on this directory fails at once
-    lock = outputs.acquire(config.output_dir, "output_dir")
+    lock = outputs.acquire(out, "output_dir")
   except outputs.OutputDirError as e:
     fail(str(e))
   with lock:
-    cli.emulate_cpu_devices(_CPU_DEVICES.value or config.mesh.cpu_devices)  # before jax starts
+    cli.emulate_cpu_devices(_CPU_DEVICES.value or st.mesh.cpu_devices)  # before jax starts
     enable_compilation_cache()
     try:
-      doc, timelines, records = runs.run_bench(config)
+      doc, timelines, records = runs.run_bench(config, st)
     except runner.RolloutError as e:
       fail(str(e))
     print(report.format_table(doc))
     for line in report.summary_lines(doc):
       print(line)
     try:
-      report.write_outputs(doc, timelines, records, config.output_dir)
+      report.write_outputs(doc, timelines, records, out)
     except outputs.OutputWriteError as e:
       fail(str(e))
-  print(f"wrote {config.output_dir}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
+  print(f"wrote {out}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -27,12 +27,14 @@ def get_bench_config(preset: str = "tiny"):
   return cli.load_config("bench", preset)
 
 
-def variants(config) -> list[tuple[str, dict]]:
+def variants(st) -> list[tuple[str, dict]]:
+  """(name, schedule and scheduler fields) of every run of an epoch; `st`: the bench's
+  settings.Settings."""
   out = [("static", dict(schedule="static", placement="auto", compaction=False)),
          ("balanced", dict(schedule="balanced", placement="auto", compaction=False)),
          ("flexfloor", dict(schedule="flexfloor", placement="auto",
-                            compaction=bool(config.scheduler.compaction)))]
-  if config.release_only:
+                            compaction=st.scheduler.compaction))]
+  if st.bench.release_only:
     # The baseline's placement kept: release alone, then release + compaction of stragglers.
     out.append(("release_only", dict(schedule="flexfloor", placement="static", compaction=False)))
     out.append(("release_compaction", dict(schedule="flexfloor", placement="static",
@@ -40,32 +42,22 @@ def variants(config) -> list[tuple[str, dict]]:
   return out
 
 
-def run_config(config, variant: dict, epoch: int):
-  c = copy.deepcopy(config)
-  c.schedule = variant["schedule"]
-  c.scheduler.placement = variant["placement"]
-  c.scheduler.compaction = variant.get("compaction", config.scheduler.compaction)
-  c.rollout.epoch = int(epoch)
-  c.rollout.wait_compiles = True
-  return c
-
-
-def validate_bench(config) -> None:
-  """The bench's own fields (runner.RolloutError naming the field)."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.sim.presets import HARDWARE
-  if config.epochs < 1 or config.repeats < 1:
-    raise runner.RolloutError(f"epochs and repeats must be >= 1, got {config.epochs}, "
-                              f"{config.repeats}")
-  if config.roofline_hardware not in HARDWARE:
-    raise runner.RolloutError(f"roofline_hardware must be one of {sorted(HARDWARE)}, got "
-                              f"{config.roofline_hardware!r}")
+def run_config(st, variant: dict, epoch: int):
+  """The settings of one run: a variant of `st` at epoch `epoch`, every mesh size compiled
+  before the first step."""
+  return st.replace(schedule=variant["schedule"],
+                    scheduler=dict(placement=variant["placement"],
+                                   compaction=variant["compaction"]),
+                    rollout=dict(epoch=int(epoch), wait_compiles=True))
 
 
 def seqs_for(config):
-  """The runner's own sequence list for this config (same prompts, prompt lengths, targets)."""
+  """The runner's own sequence list for this config or its settings (same prompts, prompt
+  lengths, targets)."""
   from flexfloor_jax import rollout_inputs as inputs
+  from flexfloor_jax import settings
   from flexfloor_jax.tokenizer import load_tokenizer
+  config = settings.as_settings(config)
   model_cfg = inputs.model_config(config)
   tok = load_tokenizer(config.model.checkpoint, model_cfg)
   prompts = inputs.load_prompts(config, tok, model_cfg.bos_id)
@@ -87,20 +79,20 @@ def _scalars(summary: dict) -> dict:
   return out
 
 
-def _run_epoch(config, k: int, history, pool, progress: bool) -> dict:
+def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
   """Every schedule of epoch k, `repeats` times, each from a copy of `history`: schedule ->
-  [(config, result, history before, history after)]."""
+  [(run settings, result, history before, history after)]."""
   from tqdm import tqdm
 
   from flexfloor_jax import runner
-  names = [n for n, _ in variants(config)]
+  names = [n for n, _ in variants(st)]
   runs: dict[str, list] = {n: [] for n in names}
-  bar = tqdm(total=len(names) * config.repeats, desc=f"epoch {k}", unit="run",
+  bar = tqdm(total=len(names) * st.bench.repeats, desc=f"epoch {k}", unit="run",
              disable=not progress, leave=True, file=sys.stderr)
-  for rep in range(config.repeats):
-    for name, v in variants(config):
+  for rep in range(st.bench.repeats):
+    for name, v in variants(st):
       bar.set_postfix_str(name)
-      c = run_config(config, v, k)
+      c = run_config(st, v, k)
       before = copy.deepcopy(history)
       h = copy.deepcopy(history)  # the runner adds this run's lengths to it
       res = runner.run(c, write_outputs=False, history=h, progress=False, step_cache=pool)
@@ -118,9 +110,8 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   m = _scalars(s)
   lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
   kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
-            placement=c.scheduler.placement, compaction=bool(c.scheduler.compaction),
-            epoch=k, sizes=s.get("release_sizes"),
-            makespan_slack=float(c.scheduler.makespan_slack),
+            placement=c.scheduler.placement, compaction=c.scheduler.compaction,
+            epoch=k, sizes=s.get("release_sizes"), makespan_slack=c.scheduler.makespan_slack,
             step_cost=s.get("step_cost", "measured"))
   args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"], s["floor"])
   plain, _ = replay.replay(*args, **kw)
@@ -133,23 +124,25 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   return m, lengths
 
 
-def run_bench(config, *, progress: bool = True):
+def run_bench(config, st=None, *, progress: bool = True):
   """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
-  run record}) (what report.write_outputs() writes)."""
+  run record}) (what report.write_outputs() writes). `st`: the config's settings
+  (settings.load(config, "bench"), which raises ConfigError; loaded here when not given)."""
   from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax import settings
   from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.sim import presets, records as sim_records
 
-  validate_bench(config)
+  st = settings.load(config, "bench") if st is None else st
   pool = engine_lib.StepCachePool()
-  hw = presets.HARDWARE[config.roofline_hardware]
+  hw = presets.HARDWARE[st.bench.roofline_hardware]
   history = LengthHistory()
-  names = [n for n, _ in variants(config)]
+  names = [n for n, _ in variants(st)]
   epochs, timelines, records = [], {}, {}
   t_all = time.perf_counter()
-  for k in range(config.epochs):
-    runs = _run_epoch(config, k, history, pool, progress)
-    seqs, model_cfg = seqs_for(run_config(config, variants(config)[0][1], k))
+  for k in range(st.bench.epochs):
+    runs = _run_epoch(st, k, history, pool, progress)
+    seqs, model_cfg = seqs_for(run_config(st, variants(st)[0][1], k))
     model = presets.Model.from_config(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e",
                                       model_cfg)
     ep: dict = {"epoch": k}
@@ -164,7 +157,7 @@ def run_bench(config, *, progress: bool = True):
           records[(name, k)] = sim_records.make_run_record(
               name=f"{name}_e{k}", epoch=k, seqs=seqs, lengths=lengths, history=before,
               schedule=c.schedule, placement=c.scheduler.placement,
-              compaction=bool(c.scheduler.compaction), num_workers=s["num_workers"],
+              compaction=c.scheduler.compaction, num_workers=s["num_workers"],
               slots_per_worker=s["slots_per_worker"], floor=s["floor"],
               steps_per_dispatch=c.rollout.steps_per_dispatch,
               num_experts=model_cfg.num_experts, timeline=res.record.timeline, summary=s)
@@ -175,7 +168,7 @@ def run_bench(config, *, progress: bool = True):
         if key in merged:
           merged[key] = per[0][key]
       ep[name] = merged
-      if config.repeats > 1:
+      if st.bench.repeats > 1:
         ep.setdefault("repeats", {})[name] = {
             "throughput_tokens_per_s": [p["throughput_tokens_per_s"] for p in per],
             "device_steps": [p["device_steps"] for p in per]}

@@ -30,24 +30,31 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
       f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
 
 
-def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | None:
-  """Allowed active-group sizes from `scheduler.release_sizes`: '' = every size (None), 'pow2' =
-  powers of two, or a comma list; the full group and the floor are always allowed, sizes outside
-  [floor, num_workers] are dropped. Raises ValueError naming the bad entry."""
+def parse_release_sizes(text: str) -> str | frozenset[int] | None:
+  """`scheduler.release_sizes` parsed: '' -> None (every size), 'pow2', or the set of sizes of a
+  comma list. Raises ValueError naming the bad entry."""
   text = str(text).strip()
-  if not text:
+  if not text or text == 'pow2':
+    return text or None
+  picked = set()
+  for part in text.split(','):
+    try:
+      m = int(part)
+    except ValueError:
+      raise ValueError(f"{part.strip()!r} is not 'pow2' or a comma list of sizes") from None
+    if m < 1:
+      raise ValueError(f'sizes must be >= 1, got {m}')
+    picked.add(m)
+  return frozenset(picked)
+
+
+def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | None:
+  """Allowed active-group sizes from `scheduler.release_sizes` (parse_release_sizes): None for
+  every size; the full group and the floor are always allowed, sizes outside
+  [floor, num_workers] are dropped."""
+  parsed = parse_release_sizes(text)
+  if parsed is None:
     return None
-  if text == 'pow2':
-    picked = {1 << i for i in range(num_workers.bit_length())}
-  else:
-    picked = set()
-    for part in text.split(','):
-      try:
-        m = int(part)
-      except ValueError:
-        raise ValueError(f"{part.strip()!r} is not 'pow2' or a comma list of sizes") from None
-      if m < 1:
-        raise ValueError(f'sizes must be >= 1, got {m}')
-      picked.add(m)
+  picked = ({1 << i for i in range(num_workers.bit_length())} if parsed == 'pow2' else parsed)
   return tuple(sorted({m for m in picked if floor <= m <= num_workers} | {floor, num_workers},
                       reverse=True))

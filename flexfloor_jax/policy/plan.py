@@ -80,3 +80,15 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                                  chain=list(workers), compaction=flex and bool(compaction),
                                  steal=False, predicted=pred, sizes=sizes, **timed)
   return queues, policy, pred
+
+
+def length_buckets(queues: dict[int, list[int]], predicted: dict[int, float]) -> list[dict]:
+  """Per worker, the predicted lengths it was given (its queue is longest first: sequences of
+  similar length run together there, so its slots empty together)."""
+  out = []
+  for w in sorted(queues):
+    p = [float(predicted[q]) for q in queues[w]]
+    out.append(dict(worker=int(w), seqs=len(p), predicted_min=min(p) if p else None,
+                    predicted_max=max(p) if p else None,
+                    predicted_total=float(sum(p))))
+  return out

@@ -4,6 +4,7 @@ executables are ready, with an account of what waiting for the others cost (nump
 from __future__ import annotations
 
 import copy
+import logging
 
 
 def held_summary(policy) -> dict:
@@ -13,6 +14,18 @@ def held_summary(policy) -> dict:
       releases_held_for_compile_steps=held.held_steps if held else 0,
       releases_held_for_compile={str(k): v for k, v in held.held_by_size.items()} if held else {},
       releases_held_for_compile_device_steps=held.held_device_steps if held else 0)
+
+
+def warn_held(summary: dict) -> None:
+  """A warning when releases were held back by compiles (summary: held_summary's fields)."""
+  if summary["releases_held_for_compile_steps"]:
+    logging.getLogger(__name__).warning(
+        "releases held back %d steps waiting for compiles: %s (%d device-steps); "
+        "--config.rollout.wait_compiles=true compiles every size before the first step",
+        summary["releases_held_for_compile_steps"],
+        ", ".join(f"size {k} for {v} steps" for k, v in sorted(
+            summary["releases_held_for_compile"].items(), key=lambda kv: -int(kv[0]))),
+        summary["releases_held_for_compile_device_steps"])
 
 
 class ReadyFloor:

@@ -15,14 +15,16 @@ import time
 
 import numpy as np
 
+from flexfloor_jax import settings
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.rl import tasks as tasks_lib
 
 
-def make_examples(config, tokenizer):
-  """(tokens [N, T], loss mask [N, T-1]) of the SFT pool; T = longest example rounded to 8."""
-  s = config.sft
-  rows = tasks_lib.make_prompts(config.rl.tasks, s.num_prompts, s.seed + 1000, config.rl.task_size)
+def make_examples(st, tokenizer):
+  """(tokens [N, T], loss mask [N, T-1]) of the SFT pool; T = longest example rounded to 8.
+  `st`: settings.Settings with the rl and sft sections."""
+  s = st.sft
+  rows = tasks_lib.make_prompts(st.rl.tasks, s.num_prompts, s.seed + 1000, st.rl.task_size)
   seqs = []
   for r in rows:
     p = tokenizer.encode(r["prompt"], add_bos=True)
@@ -41,45 +43,10 @@ class SFTError(ValueError):
   """Bad input or a diverged run; the message names the field or the step."""
 
 
-def validate(config) -> None:
-  """Every field SFT and its closing evaluation rollout read, before any heavy import (a bad
-  field used to surface after the training steps, or never)."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.cli import ConfigError, check_int, check_num, validate_common
-  from flexfloor_jax.tokenizer import ByteTokenizer
-  s = config.sft
-  try:
-    validate_common(config)
-    runner.validate_config(config)
-    for name in ("sft.steps", "sft.batch_size", "sft.num_prompts", "sft.eval_every",
-                 "rl.num_prompts", "rl.task_size"):
-      check_int(config, name)
-    check_int(config, "sft.seed", 0)
-    check_int(config, "rl.prompt_seed", 0)
-    check_num(config, "sft.lr")
-    check_num(config, "sft.weight_decay")
-    if s.batch_size > s.num_prompts:  # batches are drawn without replacement from the pool
-      raise ConfigError(f"sft.batch_size={s.batch_size} exceeds the pool of "
-                        f"sft.num_prompts={s.num_prompts} examples")
-    if not isinstance(s.output_dir, str) or not s.output_dir:
-      raise ConfigError(f"sft.output_dir must be a non-empty path, got {s.output_dir!r}")
-    tasks_lib.load_reward_fn(config.rl.reward_fn)
-    # The evaluation rollout's prompts, checked as the runner will check them after training.
-    tok = ByteTokenizer()
-    r = config.rollout
-    for row in tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts,
-                                      config.rl.prompt_seed, config.rl.task_size):
-      n = len(tok.encode(row["prompt"], add_bos=True))
-      if n > r.max_prompt_len or n + r.max_new_tokens > config.model.max_seq_len:
-        raise ConfigError(f"rl.task_size={config.rl.task_size}: evaluation prompt {row['id']!r} "
-                          f"has {n} tokens; it needs rollout.max_prompt_len >= {n} and "
-                          f"model.max_seq_len >= {n} + rollout.max_new_tokens")
-  except (ConfigError, runner.RolloutError, ValueError) as e:
-    raise SFTError(str(e)) from None
-
-
 def sft(config, *, progress: bool = False) -> dict:
-  validate(config)  # before the heavy imports
+  """`config`: a ConfigDict (settings.load checks it before the heavy imports: ConfigError) or
+  its settings.Settings (entry 'sft')."""
+  st = config if isinstance(config, settings.Settings) else settings.load(config, "sft")
   import jax
   import jax.numpy as jnp
   import optax
@@ -90,12 +57,11 @@ def sft(config, *, progress: bool = False) -> dict:
   from flexfloor_jax.model.config import PRESETS
   from flexfloor_jax.tokenizer import ByteTokenizer
 
-  s = config.sft
-  cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)
+  s = st.sft
+  cfg = PRESETS[st.preset].replace(dtype=st.model.dtype)
   tok = ByteTokenizer()
-  toks, mask = make_examples(config, tok)
-  params = tfm.init_params(cfg, jax.random.key(config.model.init_seed),
-                           scale=config.model.init_scale)
+  toks, mask = make_examples(st, tok)
+  params = tfm.init_params(cfg, jax.random.key(st.model.init_seed), scale=st.model.init_scale)
   opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, s.lr, max(1, s.steps // 20),
                                                        max(2, s.steps)),
                     weight_decay=s.weight_decay)
@@ -131,15 +97,14 @@ def sft(config, *, progress: bool = False) -> dict:
   ckpt.save_orbax(path, params, cfg)
 
   # Reward of the saved model on the RL prompt set (one rollout, the config's sampling).
-  rows = tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts, config.rl.prompt_seed,
-                                config.rl.task_size)
-  c = config.copy_and_resolve_references()
-  c.rollout.prompts = os.path.join(s.output_dir, "eval_prompts.jsonl")
-  c.rollout.output_dir = s.output_dir
+  rows = tasks_lib.make_prompts(st.rl.tasks, st.rl.num_prompts, st.rl.prompt_seed,
+                                st.rl.task_size)
+  c = st.replace(rollout=dict(prompts=os.path.join(s.output_dir, "eval_prompts.jsonl"),
+                              output_dir=s.output_dir))
   tasks_lib.write_prompts_jsonl(rows, c.rollout.prompts)
   res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
                    progress=False)
-  reward_fn = tasks_lib.load_reward_fn(config.rl.reward_fn)
+  reward_fn = tasks_lib.load_reward_fn(st.rl.reward_fn)
   by_id = {r["id"]: r for r in rows}
   rewards = [float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in res.responses]
   out = {"steps": s.steps, "final_loss": float(np.mean(losses[-10:])), "first_loss": losses[0],
@@ -157,10 +122,10 @@ def main(argv):
   config = rl_cli.config_value()
   from flexfloor_jax.cli import enable_compilation_cache, fail
   try:
-    validate(config)
+    st = settings.load(config, "sft")  # before jax starts
     enable_compilation_cache()
-    out = sft(config, progress=True)
-  except SFTError as e:
+    out = sft(st, progress=True)
+  except (settings.ConfigError, SFTError) as e:
     fail(str(e))
   print(f"sft: loss {out['first_loss']:.3f} -> {out['final_loss']:.3f} in "
         f"{out['train_seconds']:.0f}s; reward {out['eval/score/mean']:.3f} (exact "

@@ -47,7 +47,7 @@ def parse_tasks(tasks) -> list[str]:
   names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
   names = [t for t in names if t]
   if not names:
-    raise ValueError("rl.tasks is empty")
+    raise ValueError(f"rl.tasks: must name at least one of {TASKS}, got {tasks!r}")
   for t in names:
     if t not in TASKS:
       raise ValueError(f"rl.tasks: unknown task {t!r}; built-in tasks are {TASKS}")
@@ -97,12 +97,12 @@ def load_reward_fn(spec: Optional[str]) -> Callable[[dict, str], float]:
   if not spec:
     return reward
   if ":" not in spec:
-    raise ValueError(f"rl.reward_fn must be 'module:function', got {spec!r}")
+    raise ValueError(f"rl.reward_fn: must be 'module:function', got {spec!r}")
   mod, fn = spec.split(":", 1)
   try:
     f = getattr(importlib.import_module(mod), fn)
   except (ImportError, AttributeError) as e:
-    raise ValueError(f"rl.reward_fn {spec!r}: {e}") from None
+    raise ValueError(f"rl.reward_fn: {spec!r}: {e}") from None
   if not callable(f):
-    raise ValueError(f"rl.reward_fn {spec!r} is not callable")
+    raise ValueError(f"rl.reward_fn: {spec!r} is not callable")
   return f

@@ -21,6 +21,7 @@ from typing import Optional
 
 import numpy as np
 
+from flexfloor_jax import settings
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
@@ -35,8 +36,6 @@ DETERMINISTIC_KEYS = ("critic/score/mean", "critic/score/max", "critic/score/min
                       "response_length/mean", "response_length/max", "response_length/clip_ratio",
                       "actor/pg_loss", "actor/kl", "actor/grad_norm", "actor/aux_loss",
                       "actor/pg_clipfrac", "actor/loss", "rollout/tokens_sha1")
-
-
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -129,35 +128,6 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
 # ----------------------------------------------------------------------------- the loop
 
 
-def validate(config) -> None:
-  """Every field the loop reads, before any heavy import; TrainError names the field."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.cli import ConfigError, check_int, check_num, validate_common
-  try:
-    validate_common(config)
-    runner.validate_config(config)
-    for name in ("steps", "checkpoint_every", "rl.num_prompts", "rl.task_size",
-                 "rl.updates_per_step", "rl.tile_m"):
-      check_int(config, name)
-    check_int(config, "keep_checkpoints", 0)
-    check_int(config, "rl.prompt_seed", 0)
-    check_num(config, "rl.lr")  # 0: a no-learning control run (tests/test_rl_grpo.py)
-    check_num(config, "rl.grad_clip", 0, lo_open=True)
-    check_num(config, "rl.clip_eps", 0, lo_open=True)
-    for name in ("rl.weight_decay", "rl.kl_beta", "rl.aux_coef"):
-      check_num(config, name)
-    for name in ("rl.b1", "rl.b2"):
-      check_num(config, name, 0, 1, hi_open=True)
-    if not isinstance(config.output_dir, str) or not config.output_dir:
-      raise ConfigError(f"output_dir must be a non-empty path, got {config.output_dir!r}")
-    tasks_lib.parse_tasks(config.rl.tasks)
-  except (ConfigError, runner.RolloutError, ValueError) as e:
-    raise TrainError(str(e)) from None
-  if config.rollout.lengths != "model":
-    raise TrainError(f"rollout.lengths must be 'model' for RL (responses end at EOS), got "
-                     f"{config.rollout.lengths!r}")
-
-
 def _check_finite(name: str, values, resp, step: int) -> None:
   """values[i]: response i's numbers (a scalar or an array). A NaN or infinite reward or
   log-prob would train on garbage (and the loss would turn NaN a step later, far from its
@@ -174,28 +144,32 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
   """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
   `stop_after`: return after that step (tests: an in-process interruption).
   output_dir is checked and locked before anything is compiled: a second run on it fails at
-  once naming the holder's pid (two runs would interleave checkpoints and history)."""
-  validate(config)  # before the heavy imports: a bad field fails in well under a second
+  once naming the holder's pid (two runs would interleave checkpoints and history).
+  settings.load(config, "train") checks every field first, before the heavy imports (a bad
+  field fails in well under a second with ConfigError)."""
+  st = settings.load(config, "train")
   from flexfloor_jax.policy import outputs
   try:
-    outputs.check_dir(config.output_dir, "output_dir")
+    outputs.check_dir(st.train.output_dir, "output_dir")
   except outputs.OutputDirError as e:
     raise TrainError(str(e)) from None
   import jax
   lock = None
   if jax.process_index() == 0:  # the process that writes history and metrics
     try:
-      lock = outputs.acquire(config.output_dir, "output_dir")
+      lock = outputs.acquire(st.train.output_dir, "output_dir")
     except outputs.OutputDirError as e:
       raise TrainError(str(e)) from None
   try:
-    return _train(config, stop_after=stop_after, progress=progress)
+    return _train(config, st, stop_after=stop_after, progress=progress)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
+def _train(config, st: settings.Settings, *, stop_after: Optional[int],
+           progress: bool) -> list[dict]:
+  """The loop; `config` itself only for the checkpoints (rl/checkpoints.py)."""
   import jax
   import optax
 
@@ -208,38 +182,36 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
   from flexfloor_jax.rl import actor as actor_lib
   from flexfloor_jax.tokenizer import load_tokenizer
 
-  out = config.output_dir
+  out, rl = st.train.output_dir, st.rl
   os.makedirs(out, exist_ok=True)
-  reward_fn = tasks_lib.load_reward_fn(config.rl.reward_fn)
-  rows = tasks_lib.make_prompts(config.rl.tasks, config.rl.num_prompts, config.rl.prompt_seed,
-                                config.rl.task_size)
+  reward_fn = tasks_lib.load_reward_fn(rl.reward_fn)
+  rows = tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
   by_id = {r["id"]: r for r in rows}
   prompts_path = os.path.join(out, "prompts.jsonl")
   tasks_lib.write_prompts_jsonl(rows, prompts_path)
 
   # -- model
-  if config.model.checkpoint:
+  if st.model.checkpoint:
     try:
-      model_cfg, params = ckpt.load_checkpoint(config.model.checkpoint)
+      model_cfg, params = ckpt.load_checkpoint(st.model.checkpoint)
     except ckpt.CheckpointError as e:
       raise TrainError(f"model.checkpoint: {e}") from None
   else:
-    model_cfg = PRESETS[config.preset]
-    params = tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
-                             scale=config.model.init_scale)
-  model_cfg = model_cfg.replace(dtype=config.model.dtype)
+    model_cfg = PRESETS[st.preset]
+    params = tfm.init_params(model_cfg, jax.random.key(st.model.init_seed),
+                             scale=st.model.init_scale)
+  model_cfg = model_cfg.replace(dtype=st.model.dtype)
   model_id = model_identity(model_cfg)
   params = jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
-  tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
+  tokenizer = load_tokenizer(st.model.checkpoint, model_cfg)
   prompt_tokens = {r["id"]: tokenizer.encode(r["prompt"], add_bos=True) for r in rows}
 
-  devices = mesh_lib.select_devices(config.mesh.num_devices)
+  devices = mesh_lib.select_devices(st.mesh.num_devices)
   mesh = mesh_lib.make_ep_mesh(devices)
   n = len(devices)
-  rl = config.rl
-  moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend, devices[0].platform)
+  moe_impl, moe_interpret = resolve_moe_backend(st.model.moe_backend, devices[0].platform)
   spec = actor_lib.ActorSpec(cfg=model_cfg, num_workers=n,
-                             temperature=config.sampling.temperature, tile_m=rl.tile_m,
+                             temperature=st.sampling.temperature, tile_m=rl.tile_m,
                              clip_eps=rl.clip_eps, kl_beta=rl.kl_beta, aux_coef=rl.aux_coef,
                              moe_backend=moe_impl, interpret=moe_interpret)
   optimizer = optax.chain(optax.clip_by_global_norm(rl.grad_clip),
@@ -256,9 +228,9 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
                                     transform_non_params=lambda x: jax.device_put(x, rep))
 
   # -- resume
-  history_path = config.scheduler.history_path or os.path.join(out, "history.json")
+  history_path = st.scheduler.history_path or os.path.join(out, "history.json")
   metrics_path = os.path.join(out, "metrics.jsonl")
-  max_new = config.rollout.max_new_tokens
+  max_new = st.rollout.max_new_tokens
   start = 0
   abs_of = lambda t: jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
@@ -276,26 +248,23 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
     if os.path.exists(metrics_path):
       os.unlink(metrics_path)
 
-  t_max = config.rollout.max_prompt_len + config.rollout.max_new_tokens
-  g = config.rollout.samples_per_prompt
+  t_max = st.rollout.max_prompt_len + st.rollout.max_new_tokens
+  g = st.rollout.samples_per_prompt
   pool = engine_lib.StepCachePool()  # compiled steps kept across the steps' rollouts
   rollout_params = actor_lib.replicate(params, mesh)
   # Released workers score finished responses during the rollout (flexfloor; one process).
   scorer = None
-  if (rl.released_logprobs and not rl.routing_replay and config.schedule == "flexfloor"
+  if (rl.released_logprobs and not rl.routing_replay and st.schedule == "flexfloor"
       and jax.process_count() == 1):
     from flexfloor_jax.rl.reuse import ReleasedScorer
     scorer = ReleasedScorer(spec, devices, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), t_max)
-    if config.rollout.wait_compiles:  # reproducible timing (tests, benchmarks)
+    if st.rollout.wait_compiles:  # reproducible timing (tests, benchmarks)
       scorer.wait_compiled()
-  for step in range(start + 1, config.steps + 1):
+  for step in range(start + 1, st.train.steps + 1):
     t_step = time.perf_counter()
-    c = config.copy_and_resolve_references()
-    c.rollout.prompts = prompts_path
-    c.rollout.epoch = step - 1
-    c.rollout.output_dir = out
-    c.rollout.record_routes = bool(rl.routing_replay)
+    c = st.replace(rollout=dict(prompts=prompts_path, epoch=step - 1, output_dir=out,
+                                record_routes=rl.routing_replay))
     t0 = time.perf_counter()
     if scorer is not None:
       scorer.reset(params, prompt_tokens)
@@ -351,7 +320,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
     t_sync = time.perf_counter() - t0
 
     s = res.summary
-    row = {"step": step, "schedule": config.schedule,
+    row = {"step": step, "schedule": st.schedule,
            "critic/score/mean": float(rewards.mean()), "critic/score/max": float(rewards.max()),
            "critic/score/min": float(rewards.min()),
            "critic/exact_match": float(np.mean(rewards == 1.0)),
@@ -373,7 +342,7 @@ def _train(config, *, stop_after: Optional[int], progress: bool) -> list[dict]:
            "device_steps": s.get("device_steps"), "generated_tokens": s.get("generated_tokens"),
            "slot_utilization": s.get("slot_utilization"),
            "occupied_device_seconds": s.get("occupied_device_seconds")}
-    if step % config.checkpoint_every == 0 or step == config.steps:
+    if step % st.train.checkpoint_every == 0 or step == st.train.steps:
       ckpts.save_checkpoint(config, step, params, opt_state, history)
       if jax.process_index() == 0:
         ckpts.prune_checkpoints(config, step)
@@ -402,10 +371,10 @@ def main(argv):
   config = rl_cli.config_value()
   from flexfloor_jax.cli import enable_compilation_cache, fail
   try:
-    validate(config)
+    settings.load(config, "train")  # before jax starts
     enable_compilation_cache()
     rows = train(config, progress=True)
-  except (TrainError, ValueError) as e:
+  except (TrainError, ValueError) as e:  # settings.ConfigError among them
     fail(str(e))
   if rows:
     print(f"{len(rows)} steps; last critic/score/mean {rows[-1]['critic/score/mean']:.3f}; "
