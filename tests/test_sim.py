@@ -226,3 +226,26 @@ def test_cpu_preset_fitted_on_one_workload_predicts_another():
   (p,) = r["predictions"]
   assert p["device_steps_exact"], p
   assert abs(p["wall_rel_error"]) <= 0.25, records.format_calibration(r)
+
+
+def test_paged_kv_cluster_table():
+  """--kv=paged: a pool with full rows for max_seqs = slots_per_worker and a margin that reserves
+  every sequence's cap admits exactly as fixed slots do (the same table); with more sequences per
+  worker than slots, memory decides and every schedule still generates every token."""
+  from flexfloor_jax.sim.cluster import simulate_cluster
+  from flexfloor_jax.sim.presets import HARDWARE, MODELS
+  kw = dict(length_scale=1.0, prompt_len=32, processes=1, epochs=1)
+  model, hw = MODELS["mixtral-8x7b"], HARDWARE["tpu-v5p"]
+  slots = simulate_cluster(model, hw, 8, **kw)
+  full = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=4, kv_margin=1e9, **kw)
+  assert full["kv"]["num_pages"] == 4 * (32 + 256) // 16
+  for label in ("static", "balanced", "flexfloor"):
+    assert full[label] == slots[label], label
+    assert full["kv"][label]["preemptions"] == 0
+  more = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=8, **kw)
+  assert more["kv"]["max_seqs"] == 8
+  for label in ("static", "balanced", "flexfloor"):
+    assert more[label]["generated_tokens"] == slots["static"]["generated_tokens"]
+    assert 0 < more["kv"][label]["peak_pages"] <= more["kv"]["num_pages"]
+  with pytest.raises(ValueError):
+    simulate_cluster(model, hw, 8, kv="pages", **kw)

@@ -17,6 +17,14 @@ workers) follow it: a release then costs its survivors one decode step plus the 
 prefill on top (a prefill costs ~2 decode steps on 8 emulated workers), and those seqs start one
 step later.
 
+Paged KV (`kv`, a policy.pages.PagePool): a slot is then one of the worker's max_seqs sequence
+rows, and memory decides as well: (a) admits a queue head only while the pool admits it, and
+before (b) every live row grows to hold the dispatch's tokens; where a pool runs out its youngest
+rows are preempted (the executor's `preempt`), go back to the front of their worker's queue and
+are recomputed by a later prefill, which makes their next token (a resumed sequence keeps the
+tokens it had). A migration whose destination lacks the pages becomes such a preemption, queued
+on the destination. Without `kv` nothing of this runs.
+
 The controller keeps its own slot table (it knows what it assigned; finishes free slots) and checks
 every Finish against it, so an executor that misbehaves fails loudly instead of skewing metrics.
 """
@@ -105,6 +113,11 @@ class Executor(Protocol):
   def shrink(self, new_active: list[int]) -> dict:
     """New active set (a tail of the release chain); returns stats (expert bytes, seconds, ...)."""
 
+  # paged KV only (run's `kv`): drop the sequences of these live (worker, slot)s, remembering the
+  # tokens each has generated; a later prefill of such a sequence recomputes them and makes one
+  # more (its Finish then counts them all).
+  # def preempt(self, slots: list[tuple[int, int]]) -> None
+
   def active_workers(self) -> list[int]:
     ...
 
@@ -167,8 +180,9 @@ class ControllerError(RuntimeError):
 
 def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, policy: ReleasePolicyLike,
         steps_per_dispatch: int = 8, clock: Callable[[], float] = time.perf_counter,
-        slots_per_worker: int | None = None) -> RolloutRecord:
-  """Generate every sequence; see the module doc for the loop."""
+        slots_per_worker: int | None = None, kv=None) -> RolloutRecord:
+  """Generate every sequence; see the module doc for the loop. kv: a policy.pages.PagePool
+  (paged KV; its max_seqs rows are the slots), None = fixed slots."""
   if steps_per_dispatch < 1:
     raise ValueError(f'steps_per_dispatch must be >= 1, got {steps_per_dispatch}')
   B = int(slots_per_worker or executor.slots_per_worker)
@@ -190,6 +204,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
   done: dict[int, Finish] = {}
   where: dict[int, tuple[int, int]] = {}  # live seq -> (worker, slot)
   prefilled_on: dict[int, int] = {}
+  resume: dict[int, int] = {}  # preempted seq -> tokens it had generated (paged KV)
 
   def finish(f: Finish, step: int):
     if f.seq_id not in where or where[f.seq_id] != (f.worker, f.slot):
@@ -197,12 +212,14 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
                             f'but the controller has it at {where.get(f.seq_id)}')
     del where[f.seq_id]
     st.slots[f.worker][f.slot] = -1
+    if kv is not None:
+      kv.free(f.worker, f.slot)
     del st.generated[f.seq_id]
     done[f.seq_id] = f
     tl.add_finish(f.seq_id, f.worker, f.slot, f.num_tokens, f.reason, step)
 
   if policy.enabled:  # workers the placement gave nothing go before the first step
-    _release(st, policy, executor, tl, clock, where)
+    _release(st, policy, executor, tl, clock, where, kv, resume)
   shrunk = False  # the active set shrank since the last decode dispatch
   while len(done) < len(seqs):
     # (a) admission: one prefill step per round while any active worker can take a queued seq
@@ -211,20 +228,23 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
       assign = []
       for w in st.active:
         free = st.free_slots(w)
-        if free and st.queues[w]:
+        if free and st.queues[w] and (kv is None or kv.admits(
+            w, seq_by_id[st.queues[w][0]], resume.get(st.queues[w][0], 0), steps_per_dispatch)):
           assign.append((w, free[0], st.queues[w].popleft()))
       if not assign:
         break
       for w, s, q in assign:
         st.slots[w][s] = q
-        st.generated[q] = 1
+        st.generated[q] = resume.pop(q, 0) + 1
         where[q] = (w, s)
         prefilled_on[q] = w
+        if kv is not None:
+          kv.allocate(w, s, seq_by_id[q], seq_by_id[q].prompt_len + st.generated[q])
       t0 = clock()
       fins = executor.prefill(assign)
       tl.add_step('prefill', st.step, 1, st.active, [len(st.live(w)) for w in st.active], t0, clock())
       for f in fins:
-        if f.num_tokens != 1:
+        if f.num_tokens != st.generated.get(f.seq_id, 1):
           raise ControllerError(f'prefill finish of seq {f.seq_id} with {f.num_tokens} tokens')
         finish(f, st.step)
       st.step += 1
@@ -233,22 +253,27 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
     # (c) release, right before the dispatch so it runs on the fewest workers; after a change,
     # admit again (moved queues) and ask again
     n_active = len(st.active)
-    if policy.enabled and _release(st, policy, executor, tl, clock, where):
+    if policy.enabled and _release(st, policy, executor, tl, clock, where, kv, resume):
       shrunk |= len(st.active) < n_active
       continue
     if not where:
       stuck = {w: list(q) for w, q in st.queues.items() if q}
       raise ControllerError(f'nothing live, {len(seqs) - len(done)} seqs unfinished; queues {stuck}')
     # (b) one decode dispatch
+    # admissions deferred by a shrink wait for one step only
+    pending = shrunk and any(st.queues[w] and st.free_slots(w) for w in st.active)
+    max_steps = 1 if pending else steps_per_dispatch
+    if kv is not None:  # pages for the dispatch's tokens; the youngest rows give way
+      lost = kv.grow({where[q]: g for q, g in st.generated.items()}, max_steps)
+      if lost:
+        _preempt(st, executor, where, resume, [(w, s, w) for w, s, _ in lost])
+        continue
     refill = np.array([bool(st.queues[w]) for w in st.active])
     if policy.enabled:
       stop_fin, stop_idle = policy.stop_masks(st)
     else:
       stop_fin = stop_idle = np.zeros(len(st.active), bool)
     live0 = [len(st.live(w)) for w in st.active]
-    # admissions deferred by a shrink wait for one step only
-    pending = shrunk and any(st.queues[w] and st.free_slots(w) for w in st.active)
-    max_steps = 1 if pending else steps_per_dispatch
     shrunk = False
     t0 = clock()
     k, fins = executor.decode(max_steps, refill | np.asarray(stop_fin, bool),
@@ -275,12 +300,37 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
   return RolloutRecord(timeline=tl, finishes=done, prefill_worker=prefilled_on)
 
 
+def _preempt(st: State, executor: Executor, where, resume, lost) -> None:
+  """Paged KV: the sequences at (worker, slot) leave (pages already freed by the pool), each to
+  the front of worker `to`'s queue, in the order given (youngest first, so the oldest ends up
+  first)."""
+  executor.preempt([(w, s) for w, s, _ in lost])
+  for w, s, to in lost:
+    q = st.slots[w][s]
+    st.slots[w][s] = -1
+    del where[q]
+    resume[q] = st.generated.pop(q)
+    st.queues[to].appendleft(q)
+
+
 def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timeline, clock,
-             where) -> bool:
+             where, kv=None, resume=None) -> bool:
   """Carry out the policy's plan; True if anything moved or was released."""
   plan = policy.plan(st)
   if plan is None:
     return False
+  lost = []  # paged KV: moves whose destination lacks the pages (preempted there)
+  if plan.moves and kv is not None:
+    for sw, ss, dw, ds in plan.moves:  # the controller's checks first, the pool's after
+      if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
+        raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
+                              'destination free and active')
+    ok = kv.move(list(plan.moves))
+    lost = [m for m, fits in zip(plan.moves, ok) if not fits]
+    plan = Plan(moves=[m for m, fits in zip(plan.moves, ok) if fits],
+                queue_moves=list(plan.queue_moves), new_active=plan.new_active)
+    lost_q = [(sw, dw, st.slots[sw][ss]) for sw, ss, dw, _ in lost]
+    _preempt(st, executor, where, resume, [(sw, ss, dw) for sw, ss, dw, _ in lost])
   if plan.moves:
     srcs = [(sw, ss) for sw, ss, _, _ in plan.moves]
     dsts = [(dw, ds) for _, _, dw, ds in plan.moves]
@@ -290,7 +340,7 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
       if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
         raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
                               'destination free and active')
-    kv = executor.migrate(list(plan.moves))
+    kv_bytes = executor.migrate(list(plan.moves))
     qs = [st.slots[sw][ss] for sw, ss, _, _ in plan.moves]
     for (sw, ss, dw, ds), q in zip(plan.moves, qs):
       st.slots[sw][ss] = -1
@@ -298,15 +348,16 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
       st.slots[dw][ds] = q
       where[q] = (dw, ds)
   else:
-    kv = 0
+    kv_bytes = 0
   for sw, dw, q in plan.queue_moves:
     st.queues[sw].remove(q)
     st.queues[dw].append(q)
-  if plan.moves or plan.queue_moves:
-    tl.add_migration(st.step, plan.moves, plan.queue_moves, kv, clock())
+  if plan.moves or plan.queue_moves or lost:
+    tl.add_migration(st.step, plan.moves, list(plan.queue_moves) + (lost_q if lost else []),
+                     kv_bytes, clock())
   new = plan.new_active
   if new is None or list(new) == st.active:
-    return bool(plan.moves or plan.queue_moves)
+    return bool(plan.moves or plan.queue_moves or lost)
   gone = [w for w in st.active if w not in set(new)]
   for w in gone:
     if st.live(w) or st.queues[w]:

@@ -15,7 +15,8 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                  num_workers: int, slots_per_worker: int, floor: int, *,
                  steps_per_dispatch: int = 8, placement: str = "auto", compaction: bool = True,
                  epoch: int = 0, sizes: tuple[int, ...] | None = None,
-                 makespan_slack: float = 0.05, cost=None, step_cost: str = "measured"):
+                 makespan_slack: float = 0.05, cost=None, step_cost: str = "measured",
+                 kv=None):
   """(queues, release policy, predicted length by seq id).
 
   schedule='static': the verl-like baseline (contiguous chunks, no release).
@@ -35,7 +36,9 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
   floor). None: with step_cost='measured', the step times measured by earlier runs and kept in
   `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
-  device-steps alone."""
+  device-steps alone.
+  `kv`: paged KV, (predicted lengths by seq id) -> a fresh policy.pages.PagePool with max_seqs =
+  slots_per_worker: the flexfloor placement simulates its candidates on it."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if placement not in PLACEMENTS:
@@ -50,7 +53,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
     queues, pred, info = scheduler.flexfloor_schedule(
         seqs, history, workers, slots_per_worker, floor=floor,
         steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
-        policy_kw=dict(shared_queue=True, sizes=sizes))
+        policy_kw=dict(shared_queue=True, sizes=sizes), kv=kv)
     policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,

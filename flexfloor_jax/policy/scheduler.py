@@ -68,7 +68,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
                         num_candidates: int = 12, policy_kw: dict | None = None,
                         scenarios: list[dict[int, int]] | None = None,
                         makespan_slack: float = 0.05, late_tol: float | None = None,
-                        return_info: bool = False):
+                        return_info: bool = False, kv=None):
   """Long predicted sequences on the chain's tail (survives longest), short ones on the head.
 
   Objective: the makespan first, then the device time. A candidate is on time when its simulated
@@ -84,6 +84,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     - sorted equal chunks, the static placement, and the balanced placement itself (with release:
       a release never pushes the predicted completion later, so it is on time).
   Queues are longest-predicted first. Mispredictions are left to compaction and work stealing.
+  kv: paged KV, a function (predicted lengths by seq id) -> a fresh policy.pages.PagePool whose
+  max_seqs is slots_per_worker; every candidate (and the balanced budget) is then simulated on it.
 
   Lateness: with `late_tol` None, a candidate is late if it is later than the budget in any
   scenario. With a tolerance, its mean makespan over the scenarios must stay within the mean budget
@@ -108,7 +110,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     for L in worlds:
       pol = planner.ReleasePolicy(enabled=enabled, floor=floor, chain=list(workers_chain),
                                   predicted=plens, **kw)
-      m = stepsim.simulate(seqs, L, queues, pol, N, B, steps_per_dispatch)
+      m = stepsim.simulate(seqs, L, queues, pol, N, B, steps_per_dispatch,
+                           kv=kv(plens) if kv else None)
       ds += m['device_steps'] / len(worlds)
       ms.append(m['makespan_steps'])
     return {'device_steps': ds, 'makespan_steps': np.asarray(ms, float)}
@@ -120,7 +123,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   for j, L in enumerate(worlds):  # the balanced schedule: full width, shared queue
     pol = planner.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
                                 predicted=plens, shared_queue=True, compaction=False, swap=False)
-    ms_bal[j] = stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch)['makespan_steps']
+    ms_bal[j] = stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch,
+                                 kv=kv(plens) if kv else None)['makespan_steps']
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))  # ties keep groups together
   lo = max(float(pred.max()), float(pred.sum()) / (N * B))
   ms_budget = ms_bal * (1.0 + makespan_slack)
@@ -173,7 +177,7 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
                        num_scenarios: int = 8, seed: int = 0, prior: float | None = None,
                        policy_kw: dict | None = None, late_tol: float | None = 0.15,
                        shallow_late_tol: float | None = 0.05, quantile: float = 0.9,
-                       makespan_slack: float = 0.05):
+                       makespan_slack: float = 0.05, kv=None):
   """predict -> scenarios from history -> placement, in one call (what the runner needs).
   Returns (queues, predicted lengths by seq id, info). `seed` keys the scenario draws (use the
   epoch) so a schedule is reproducible. Lateness tolerance (see `flexfloor_placement`): `late_tol`
@@ -181,7 +185,7 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
   epoch the scenarios only resample that epoch and underestimate the spread between epochs).
   `quantile` goes to `predict`: placement leans further into each group's tail than the default.
   The defaults suit the synthetic workload (policy/workload.py); another workload may want
-  others."""
+  others. kv: paged KV (see `flexfloor_placement`)."""
   pred = predict(history, seqs, prior, quantile=quantile)
   sc = sample_scenarios(history, seqs, pred, num_scenarios, seed) if len(history) else None
   depth = min((len(history.epochs(s.prompt_id)) for s in seqs), default=0)
@@ -189,5 +193,5 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
   queues, info = flexfloor_placement(seqs, pred, workers_chain, slots_per_worker, floor=floor,
                                      steps_per_dispatch=steps_per_dispatch, scenarios=sc,
                                      policy_kw=policy_kw, late_tol=tol, return_info=True,
-                                     makespan_slack=makespan_slack)
+                                     makespan_slack=makespan_slack, kv=kv)
   return queues, {s.seq_id: float(p) for s, p in zip(seqs, pred)}, info

@@ -4,6 +4,10 @@ Driven by the same controller as the engine, so with the same lengths it runs th
 dispatch is advanced in one jump to the first step where a stop condition fires (no per-step Python
 loop unless a cost model needs per-step live counts), which keeps whole-rollout simulation in the
 sub-millisecond range and lets the scheduler evaluate candidate placements by simulating them.
+
+Paged KV (`simulate(..., kv=PagePool)`): the B slots are the pool's max_seqs sequence rows and the
+controller admits, grows and preempts by pages; the executor only forgets a preempted sequence's
+row and resumes it at its next prefill.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class SimExecutor:
     self.placement, self.expert_bytes = expert_placement, expert_bytes
     self.t = 0.0
     self.steps = 0
+    self.resume = {}  # preempted seq id -> tokens generated before (paged KV)
 
   def clock(self) -> float:
     return self.t
@@ -78,11 +83,12 @@ class SimExecutor:
     for w, s, q in assign:
       if self.slot_seq[w][s] >= 0:
         raise SimError(f'prefill into busy slot {(w, s)}')
+      g = self.resume.pop(q, 0)  # a preempted seq recomputes its g tokens and makes one more
       self.slot_seq[w][s] = q
-      self.generated[w][s] = 1
-      self.remaining[w][s] = self.length[q] - 1
+      self.generated[w][s] = g + 1
+      self.remaining[w][s] = self.length[q] - g - 1
       if self.remaining[w][s] == 0:
-        out.append(Finish(q, w, s, 1, self._reason(q)))
+        out.append(Finish(q, w, s, g + 1, self._reason(q)))
         self.slot_seq[w][s] = -1
     self.steps += 1
     if self.step_cost is not None:
@@ -124,6 +130,16 @@ class SimExecutor:
           gen[s] += k
     return k, out
 
+  def preempt(self, slots):
+    """Paged KV: the sequences of these live (worker, slot)s leave; their next prefill resumes
+    them."""
+    for w, s in slots:
+      q = self.slot_seq[w][s]
+      if q < 0:
+        raise SimError(f'preempt of free slot {(w, s)}')
+      self.resume[q] = self.generated[w][s]
+      self.slot_seq[w][s], self.remaining[w][s], self.generated[w][s] = -1, 0, 0
+
   def migrate(self, moves):
     total = 0
     for sw, ss, dw, ds in moves:
@@ -159,12 +175,18 @@ class SimExecutor:
 
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
-             return_record: bool = False, **executor_kw):
-  """One simulated rollout -> accounting metrics (and the RolloutRecord if asked)."""
+             return_record: bool = False, kv=None, **executor_kw):
+  """One simulated rollout -> accounting metrics (and the RolloutRecord if asked).
+  kv: a policy.pages.PagePool (paged KV; slots_per_worker must be its max_seqs); its stats
+  (preemptions, peak pages, ...) join the metrics under 'kv'."""
+  if kv is not None and kv.max_seqs != slots_per_worker:
+    raise SimError(f'paged KV: slots_per_worker {slots_per_worker} != max_seqs {kv.max_seqs}')
   ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, **executor_kw)
   clock = ex.clock if executor_kw.get('step_cost') else _step_clock(ex)
-  rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock)
+  rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock, kv=kv)
   m = rec.metrics()
+  if kv is not None:
+    m['kv'] = kv.stats()
   return (m, rec) if return_record else m
 
 

@@ -92,7 +92,9 @@ def main(argv=None) -> int:
                                    epochs=F.epochs, seed=F.seed,
                                    steps_per_dispatch=F.steps_per_dispatch,
                                    release_sizes=F.release_sizes,
-                                   makespan_slack=F.makespan_slack))
+                                   makespan_slack=F.makespan_slack,
+                                   **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_seqs,
+                                           kv_margin=F.kv_margin) if F.kv != "slots" else {})))
     except (ValueError, FloorError) as e:
       print(f"error: {d} devices: {e}", file=sys.stderr)
       sys.exit(2)
@@ -103,6 +105,14 @@ def main(argv=None) -> int:
         f"8 seqs per device, median {r0['workload']['median']:.0f} cap {r0['workload']['cap']} "
         f"tokens, prompt {F.prompt_len}, {r0['steps_per_dispatch']} steps per dispatch, epoch "
         f"{r0['epoch']} (history of {r0['epoch']} epochs)")
+  if "kv" in r0:
+    k = r0["kv"]
+    print(f"paged KV: {k['num_pages']} pages of {k['page_size']} tokens per worker (the bytes of "
+          f"{F.slots_per_worker} slots), at most {k['max_seqs']} sequences per worker, admission "
+          f"margin {k['margin']:g}; preemptions static/balanced/flexfloor: "
+          + ", ".join(f"{r['devices']} devices {r['kv']['static']['preemptions']}/"
+                      f"{r['kv']['balanced']['preemptions']}/{r['kv']['flexfloor']['preemptions']}"
+                      for r in rows))
   print(format_cluster_table(rows))
   print("RL step = generation + old log-probs + update (~3 forwards), roofline seconds; "
         "+reuse: released workers score finished responses during generation")
@@ -140,6 +150,14 @@ def define_flags():
                       "group: '' = every size | 'pow2' | a comma list (scheduler.release_sizes)")
   flags.DEFINE_float("makespan_slack", 0.05, "flexfloor's makespan may exceed balanced's "
                      "predicted one by this fraction (scheduler.makespan_slack)")
+  flags.DEFINE_enum("kv", "slots", ["slots", "paged"], "KV cache: 'slots' = slots_per_worker "
+                    "rows of the full length; 'paged' = a page pool of the same bytes "
+                    "(policy/pages.py): concurrency from memory")
+  flags.DEFINE_integer("page_size", 16, "--kv=paged: tokens per page")
+  flags.DEFINE_integer("max_seqs", 0, "--kv=paged: most sequences per worker; 0 = 2 x "
+                       "slots_per_worker")
+  flags.DEFINE_float("kv_margin", 0.0, "--kv=paged: admission reserves predicted length x "
+                     "(1 + this)")
   flags.DEFINE_string("calibrate", "", "run records (bench_out/runs/*.json, comma-separated) of "
                       "one workload to fit the cpu preset on")
   flags.DEFINE_string("predict", "", "run records (comma-separated) to predict with the fitted "

@@ -23,6 +23,7 @@ from flexfloor_jax.policy import plan, planner, prediction, reuse, scheduler, wo
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import floor_workers, release_sizes as allowed_sizes
+from flexfloor_jax.policy.pages import PagePool, equal_budget_pages
 from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
 from flexfloor_jax.sim.presets import Hardware, Model
 from flexfloor_jax.sim.replay import replay
@@ -58,16 +59,23 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
 
 def _group_job(job):
   """One EP group's rollout (a top-level function: it runs in worker processes)."""
-  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement = job
+  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement = job[:14]
+  kv = None
+  if len(job) > 14:  # paged KV: (pages per worker, page size, margin); B is max_seqs
+    num_pages, page_size, margin = job[14]
+    kv = lambda pred: PagePool(ep, num_pages, page_size, B, predicted=pred, margin=margin)
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
                   steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
-                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement)
+                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement, kv=kv)
+  pool = m.pop("kv", None)
   rel = m.pop("releases", [])
   m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
   # for the RL step model: when each response finished, its tokens, when workers were released
   tl = rec.timeline
   m["finish_s"] = [tl.step_end_time(f["step"] + 1) - tl.t_start for f in tl.finishes]
   m["finish_tokens"] = [gs[f["seq_id"]].prompt_len + f["num_tokens"] for f in tl.finishes]
+  if pool is not None:
+    m["preemptions"], m["peak_pages"] = pool["preemptions"], pool["peak_pages"]
   return m
 
 
@@ -135,6 +143,17 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   return best[1]
 
 
+def _kv_summary(paged, max_seqs: int, groups_of) -> dict:
+  """Paged KV: the pool and, per schedule, its preemptions and the peak pages of a worker."""
+  num_pages, page_size, margin = paged
+  out = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, margin=margin)
+  for label in RUNS:
+    g = groups_of(label)
+    out[label] = dict(preemptions=sum(m["preemptions"] for m in g),
+                      peak_pages=max((m["peak_pages"] for m in g), default=0))
+  return out
+
+
 # the oracle runs: the same policy told every response's actual length
 RUNS = plan.SCHEDULES + ("oracle_balanced", "oracle_flexfloor")
 
@@ -145,7 +164,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      length_scale: float = 8.0, prompt_len: int = 256, epochs: int = 3,
                      steps_per_dispatch: int = 0, seed: int = 0,
                      processes: Optional[int] = None, release_sizes: str = "",
-                     makespan_slack: float = 0.05) -> dict:
+                     makespan_slack: float = 0.05, kv: str = "slots", page_size: int = 16,
+                     max_seqs: int = 0, kv_margin: float = 0.0) -> dict:
   """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
   `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
   scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
@@ -154,7 +174,14 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   relative to response length (finishes and refills stop a dispatch at the exact step anyway).
   Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its release
   policy deciding on the roofline (RooflineStepCost: the time-aware floor) and `release_sizes`.
-  processes: worker processes for the groups (default: all cores; 1 = in this process)."""
+  processes: worker processes for the groups (default: all cores; 1 = in this process).
+  kv='paged': each worker's KV is a pool of pages of `page_size` tokens with the fixed-slot
+  cache's bytes (slots_per_worker rows of prompt_len + cap tokens: the same floor), at most
+  `max_seqs` sequences (0 = 2 x slots_per_worker), admission on predictions x (1 + kv_margin),
+  the youngest preempted when a pool runs out (policy/pages.py); max_seqs then takes the place
+  of slots_per_worker in the placements."""
+  if kv not in ("slots", "paged"):
+    raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
   steps_per_dispatch = steps_per_dispatch or max(
       1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * length_scale)))
   ep = ep or min(devices, model.experts, 8)
@@ -166,6 +193,11 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                                cap=int(round(workload.DEFAULT_CAP * length_scale)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
   sizes = allowed_sizes(release_sizes, ep, floor)
+  lanes_per_worker, paged = slots_per_worker, ()
+  if kv == "paged":
+    lanes_per_worker = max_seqs or 2 * slots_per_worker
+    paged = ((equal_budget_pages(slots_per_worker, prompt_len + spec.cap, page_size), page_size,
+              kv_margin),)
   last = epochs - 1
   seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
   hist = LengthHistory()
@@ -188,14 +220,14 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   for label in RUNS:
     sched = label.removeprefix("oracle_")
     ss, hh = (oracle, known) if label.startswith("oracle_") else (seqs, hist)
-    for g in group_split(ss, sched, hh, devices // ep, ep * slots_per_worker, ep,
+    for g in group_split(ss, sched, hh, devices // ep, ep * lanes_per_worker, ep,
                          makespan_slack, seed=last):
       if not g:  # a group given no work is released before the first step
         continue
       labels.append(label)
       jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
-                   hh, ep, slots_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
-                   inner_slack, ctx, inner_placement))
+                   hh, ep, lanes_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
+                   inner_slack, ctx, inner_placement) + paged)
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
     import concurrent.futures
@@ -227,5 +259,6 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
               static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
               ratio_balanced=ratio_balanced, oracle_balanced=out["oracle_balanced"],
               oracle_flexfloor=out["oracle_flexfloor"], ratio_oracle=ratio_oracle,
-              rl_step=rl)
+              rl_step=rl, **(dict(kv=_kv_summary(paged[0], lanes_per_worker, groups_of))
+                             if paged else {}))
 

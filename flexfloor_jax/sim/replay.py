@@ -118,26 +118,33 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
            model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0,
            num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
-           policy_cost=None, step_cost: str = "measured"):
+           policy_cost=None, step_cost: str = "measured", kv=None):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
   (`footprint.preallocated_slots`: what the runner preallocates).
   `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all).
   `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = as
   the runner decides with `step_cost` (summary.json's): 'measured' = the step times kept in
-  `history`, 'steps' = device-steps alone."""
-  queues, policy, _ = plan.plan_rollout(
+  `history`, 'steps' = device-steps alone.
+  `kv`: paged KV, (predicted lengths by seq id) -> a fresh policy.pages.PagePool whose max_seqs is
+  `slots_per_worker`; the placement is simulated on it and the rollout runs on one (its stats in
+  the metrics under 'kv')."""
+  queues, policy, pred = plan.plan_rollout(
       seqs, history, schedule, num_workers, slots_per_worker, floor,
       steps_per_dispatch=steps_per_dispatch, placement=placement, compaction=compaction,
       epoch=epoch, sizes=tuple(sizes) if sizes else None, makespan_slack=makespan_slack,
-      cost=policy_cost, step_cost=step_cost)
+      cost=policy_cost, step_cost=step_cost, kv=kv)
   E = model.experts if model is not None else (num_experts or 8)
   slots = footprint.preallocated_slots(schedule, E, num_workers, floor)
   pl = ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
                     expert_bytes=model.expert_bytes if model else 0)
+  pool = kv(pred) if kv is not None else None
   rec = controller.run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch,
-                       clock=ex.clock)
-  return rec.metrics(), rec
+                       clock=ex.clock, kv=pool)
+  m = rec.metrics()
+  if pool is not None:
+    m["kv"] = pool.stats()
+  return m, rec
 

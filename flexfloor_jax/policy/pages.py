@@ -1,0 +1,259 @@
+"""Page accounting of the paged KV pool (numpy only): every worker's pool of fixed-size pages, the
+page table of each sequence row, admission by memory, growth before a decode dispatch, preemption
+of the youngest sequence when a worker's pool runs out; and the pool's size from a memory budget.
+
+Each worker (one device) has `num_pages` pages of `page_size` tokens, page ids 0..num_pages-1 local
+to that worker, and `max_seqs` sequence rows (the compile-time maximum of concurrent sequences: the
+engine's decode batch). A row's page table is an int32 row of `max_pages_per_seq` entries padded
+with `num_pages`, an out-of-range id, so that a device scatter through the padding drops the write.
+Free pages are handed out lowest id first, so the same calls give the same page ids.
+
+Admission (`admits`): a sequence starts on a worker while the worker has fewer than `max_seqs` live
+rows and its reservation fits beside the reservations of the rows already there. A reservation is
+max(pages the row owns, pages of prompt + predicted response x (1 + margin), capped at prompt +
+max_new_tokens); without a prediction, the cap. A worker with no live row admits any sequence
+whose cap fits the pool (progress is always possible).
+
+Growth (`grow`): before each decode dispatch every live row must own pages for its next `steps`
+tokens (capped at its limit). Where a worker's free pages do not cover the growth, its youngest
+row (the most recently admitted or migrated in) is preempted: its pages go back, and the caller
+queues the sequence at the front of its worker's queue, to be recomputed by a prefill later.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Mapping
+
+import numpy as np
+
+
+class PagePoolError(RuntimeError):
+  pass
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+  """Pages that hold `tokens` tokens: ceil(tokens / page_size) (0 for 0)."""
+  if page_size < 1 or tokens < 0:
+    raise ValueError(f'pages_for({tokens}, {page_size}): tokens >= 0 and page_size >= 1')
+  return -(-int(tokens) // int(page_size))
+
+
+def pool_pages(device_memory_bytes: int, weight_bytes: int, workspace_bytes: int,
+               kv_bytes_per_token: int, page_size: int) -> int:
+  """Pages of one worker's pool from its memory budget: what the device holds beside its weights
+  (non-expert + its expert slots: memory.FloorTerms.resident without KV) and the release
+  workspace, in whole pages of `page_size` tokens x `kv_bytes_per_token` (all layers, K and V)."""
+  left = int(device_memory_bytes) - int(weight_bytes) - int(workspace_bytes)
+  return max(0, left // (int(page_size) * int(kv_bytes_per_token)))
+
+
+def equal_budget_pages(slots_per_worker: int, max_seq_len: int, page_size: int) -> int:
+  """Pages of a pool with the KV bytes of today's fixed-slot cache (slots_per_worker rows of
+  max_seq_len tokens), rounded down: slots_per_worker * max_seq_len // page_size."""
+  return int(slots_per_worker) * int(max_seq_len) // int(page_size)
+
+
+def kv_budget_bytes(num_pages: int, page_size: int, kv_bytes_per_token: int) -> int:
+  """KV bytes of a pool of `num_pages` pages (the inverse of pool_pages' division)."""
+  return int(num_pages) * int(page_size) * int(kv_bytes_per_token)
+
+
+class PagePool:
+  """The pools of `num_workers` workers. Rows are addressed (worker, slot), slot < max_seqs.
+
+  predicted: seq id -> predicted response length (for admission); margin: the safety margin on
+  it (0.25 = reserve 25% more than predicted). max_pages_per_seq: the page table's width (default:
+  every page of the pool)."""
+
+  def __init__(self, num_workers: int, num_pages: int, page_size: int, max_seqs: int,
+               max_pages_per_seq: int | None = None, *,
+               predicted: Mapping[int, float] | None = None, margin: float = 0.25):
+    if min(num_workers, num_pages, page_size, max_seqs) < 1 or margin < 0:
+      raise ValueError(f'PagePool({num_workers}, {num_pages}, {page_size}, {max_seqs}, '
+                       f'margin={margin}): sizes must be >= 1, margin >= 0')
+    self.num_workers, self.num_pages = int(num_workers), int(num_pages)
+    self.page_size, self.max_seqs = int(page_size), int(max_seqs)
+    self.max_pages_per_seq = int(max_pages_per_seq or num_pages)
+    self.predicted = dict(predicted or {})
+    self.margin = float(margin)
+    N, S, P = self.num_workers, self.max_seqs, self.max_pages_per_seq
+    self._free = [list(range(self.num_pages)) for _ in range(N)]  # min-heaps (sorted = heap)
+    self._tables = np.full((N, S, P), self.num_pages, np.int32)
+    self._owned = np.zeros((N, S), np.int64)  # pages per row
+    self._seq = np.full((N, S), -1, np.int64)  # seq id per row, -1 = free row
+    self._limit = np.zeros((N, S), np.int64)  # prompt + max_new_tokens per row
+    self._reserve = np.zeros((N, S), np.int64)  # predicted pages (margin, cap) per row
+    self._prompt = np.zeros((N, S), np.int64)
+    self._age = np.zeros((N, S), np.int64)  # admission tick: larger = younger
+    self._tick = 0
+    self.peak_used = [0] * N
+    self.preemptions: list[dict] = []  # {'worker', 'slot', 'seq_id', 'pages'}
+    self.allocated = 0  # pages handed out, over the pool's life
+    self.freed = 0  # pages given back
+
+  # ---- reading ------------------------------------------------------------------------------
+
+  def free_pages(self, w: int) -> int:
+    return len(self._free[w])
+
+  def used_pages(self, w: int) -> int:
+    return self.num_pages - len(self._free[w])
+
+  def seq_at(self, w: int, slot: int) -> int:
+    return int(self._seq[w, slot])
+
+  def owned(self, w: int, slot: int) -> int:
+    return int(self._owned[w, slot])
+
+  def live_rows(self, w: int) -> list[int]:
+    return [int(s) for s in np.flatnonzero(self._seq[w] >= 0)]
+
+  def table(self, w: int) -> np.ndarray:
+    """[max_seqs, max_pages_per_seq] int32 page ids of worker w's rows (padding: num_pages)."""
+    return self._tables[w].copy()
+
+  def tables(self) -> np.ndarray:
+    """[num_workers, max_seqs, max_pages_per_seq] int32: every worker's page tables."""
+    return self._tables.copy()
+
+  def stats(self) -> dict:
+    return dict(num_pages=self.num_pages, page_size=self.page_size, max_seqs=self.max_seqs,
+                peak_pages=max(self.peak_used), peak_pages_per_worker=list(self.peak_used),
+                preemptions=len(self.preemptions), pages_allocated=self.allocated,
+                pages_freed=self.freed)
+
+  def check(self) -> None:
+    """Conservation on every worker: each page free or owned by exactly one row, never both."""
+    for w in range(self.num_workers):
+      owned = [int(p) for s in range(self.max_seqs) for p in self._tables[w, s, :self._owned[w, s]]]
+      pad = (self._tables[w] != self.num_pages).sum()
+      every = owned + self._free[w]
+      if sorted(every) != list(range(self.num_pages)) or pad != len(owned):
+        raise PagePoolError(f'worker {w}: pages owned {sorted(owned)}, free '
+                            f'{sorted(self._free[w])} do not partition 0..{self.num_pages - 1}')
+
+  # ---- admission ----------------------------------------------------------------------------
+
+  def reservation(self, seq, generated: int = 0, steps: int = 1) -> int:
+    """Pages a sequence (prompt_len, max_new_tokens, seq_id) reserves when it starts with
+    `generated` tokens already made (a preempted one) and decodes `steps` tokens per dispatch."""
+    limit = seq.prompt_len + seq.max_new_tokens
+    now = min(seq.prompt_len + generated + 1 + steps, limit)
+    p = self.predicted.get(seq.seq_id)
+    want = seq.max_new_tokens if p is None else min(seq.max_new_tokens,
+                                                    math.ceil(float(p) * (1.0 + self.margin)))
+    return pages_for(max(now, seq.prompt_len + want), self.page_size)
+
+  def _reserved(self, w: int) -> int:
+    return int(np.maximum(self._owned[w], self._reserve[w]).sum())
+
+  def admits(self, w: int, seq, generated: int = 0, steps: int = 1) -> bool:
+    """May `seq` start on worker w now (see the module doc)?"""
+    live = int((self._seq[w] >= 0).sum())
+    if live >= self.max_seqs:
+      return False
+    if live == 0:
+      cap = pages_for(seq.prompt_len + seq.max_new_tokens, self.page_size)
+      if cap > min(self.num_pages, self.max_pages_per_seq):
+        raise PagePoolError(f'seq {seq.seq_id} needs up to {cap} pages, more than a pool of '
+                            f'{self.num_pages} ({self.max_pages_per_seq} per sequence) holds')
+      return True
+    return self._reserved(w) + self.reservation(seq, generated, steps) <= self.num_pages
+
+  # ---- allocation ---------------------------------------------------------------------------
+
+  def _take(self, w: int, slot: int, n: int) -> None:
+    if n > len(self._free[w]) or self._owned[w, slot] + n > self.max_pages_per_seq:
+      raise PagePoolError(f'worker {w} row {slot}: {n} more pages, {len(self._free[w])} free, '
+                          f'{self._owned[w, slot]} owned of {self.max_pages_per_seq}')
+    k = int(self._owned[w, slot])
+    for j in range(n):
+      self._tables[w, slot, k + j] = heapq.heappop(self._free[w])
+    self._owned[w, slot] = k + n
+    self.allocated += n
+    self.peak_used[w] = max(self.peak_used[w], self.used_pages(w))
+
+  def allocate(self, w: int, slot: int, seq, tokens: int) -> np.ndarray:
+    """Row `slot` of worker w takes `seq` with pages for `tokens` tokens (its prompt and what it
+    has generated); returns its page table row. Raises PagePoolError if they are not free."""
+    if self._seq[w, slot] >= 0:
+      raise PagePoolError(f'worker {w} row {slot} holds seq {self._seq[w, slot]}')
+    self._take(w, slot, pages_for(tokens, self.page_size))
+    self._seq[w, slot] = seq.seq_id
+    self._prompt[w, slot] = seq.prompt_len
+    self._limit[w, slot] = seq.prompt_len + seq.max_new_tokens
+    self._reserve[w, slot] = self.reservation(seq, 0, 0)
+    self._tick += 1
+    self._age[w, slot] = self._tick
+    return self._tables[w, slot].copy()
+
+  def free(self, w: int, slot: int) -> int:
+    """Row `slot` of worker w gives its pages back (a finish); returns how many."""
+    n = int(self._owned[w, slot])
+    for p in self._tables[w, slot, :n]:
+      heapq.heappush(self._free[w], int(p))
+    self._tables[w, slot] = self.num_pages
+    self._owned[w, slot] = 0
+    self._seq[w, slot] = -1
+    self._reserve[w, slot] = 0
+    self.freed += n
+    return n
+
+  def grow(self, generated: Mapping[tuple[int, int], int], steps: int) -> list[tuple[int, int, int]]:
+    """Before a decode dispatch of `steps` steps: every live row (worker, slot) -> tokens it has
+    generated so far must own pages for prompt + generated + steps tokens (at most its limit).
+    Where a worker's free pages fall short, its youngest rows are preempted (pages freed) until
+    the rest fit; returns the preempted (worker, slot, seq id), youngest first. The survivors
+    grow oldest first."""
+    out = []
+    for w in range(self.num_workers):
+      rows = [s for s in self.live_rows(w)]
+      if not rows:
+        continue
+      missing = [s for s in rows if (w, s) not in generated]
+      if missing:
+        raise PagePoolError(f'worker {w}: rows {missing} are live but have no generated count')
+      need = {s: max(0, pages_for(min(self._prompt[w, s] + generated[w, s] + steps,
+                                       self._limit[w, s]), self.page_size) - self._owned[w, s])
+              for s in rows}
+      rows.sort(key=lambda s: self._age[w, s])  # oldest first
+      while sum(need[s] for s in rows) > len(self._free[w]):
+        if len(rows) == 1:
+          raise PagePoolError(f'worker {w}: seq {self._seq[w, rows[0]]} alone needs '
+                              f'{need[rows[0]]} more pages, {len(self._free[w])} free')
+        s = rows.pop()
+        q = int(self._seq[w, s])
+        self.preemptions.append(dict(worker=w, slot=s, seq_id=q, pages=int(self._owned[w, s])))
+        self.free(w, s)
+        out.append((w, s, q))
+      for s in rows:
+        self._take(w, s, int(need[s]))
+    return out
+
+  def move(self, moves: list[tuple[int, int, int, int]]) -> list[bool]:
+    """Migrations (src_worker, src_slot, dst_worker, dst_slot): every source gives its pages back
+    first, then each destination row takes as many pages as its source owned, in the order given
+    (it becomes its worker's youngest row). A destination without enough free pages takes
+    nothing: that entry is False and the caller preempts the sequence instead."""
+    src = []
+    for sw, ss, dw, ds in moves:
+      if self._seq[sw, ss] < 0:
+        raise PagePoolError(f'move from free row {(sw, ss)}')
+      src.append((int(self._seq[sw, ss]), int(self._owned[sw, ss]), int(self._prompt[sw, ss]),
+                  int(self._limit[sw, ss]), int(self._reserve[sw, ss])))
+    for sw, ss, _, _ in moves:
+      self.free(sw, ss)
+    ok = []
+    for (sw, ss, dw, ds), (q, n, prompt, limit, reserve) in zip(moves, src):
+      if self._seq[dw, ds] >= 0 or n > len(self._free[dw]):
+        ok.append(False)
+        continue
+      self._take(dw, ds, n)
+      self._seq[dw, ds], self._prompt[dw, ds] = q, prompt
+      self._limit[dw, ds], self._reserve[dw, ds] = limit, reserve
+      self._tick += 1
+      self._age[dw, ds] = self._tick
+      ok.append(True)
+    return ok
