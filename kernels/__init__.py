@@ -5,6 +5,9 @@ the same signature (`impl='pallas'`: Mosaic TPU; on CUDA GPUs Mosaic GPU for the
 Pallas Triton for permute and combine; interpret mode on CPU via `interpret=True`). Both impls are
 differentiable. `flexfloor_jax.model.config.resolve_moe_backend` maps `model.moe_backend` ('auto' |
 'xla' | 'pallas') and the platform to `impl` / `interpret`.
+
+`kernels.paged_attention` (imported by its module path, not re-exported here) is the decode
+attention over a paged KV pool: an XLA reference and adapters to JAX's Pallas TPU / GPU kernels.
 """
 
 from kernels.combine import combine
