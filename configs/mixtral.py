@@ -59,6 +59,14 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # (RL routing replay; also written to responses.jsonl)
   c.rollout.record_routes = False
   c.rollout.output_dir = "rollout_out"
+  # KV memory: 'slots' (each decode slot a cache row of model.max_seq_len tokens) | 'paged' (a
+  # pool of pages per worker: sequences take pages as they grow, admission by memory, the
+  # youngest preempted and recomputed when a pool runs out; flexfloor_jax/policy/pages.py)
+  c.rollout.kv = "slots"
+  c.rollout.page_size = 16  # paged: tokens per page
+  c.rollout.max_seqs_per_worker = 0  # paged: concurrent sequences per worker; 0 = 2 x slots
+  c.rollout.kv_pages = 0  # paged: pages per worker; 0 = the KV bytes of the fixed-slot cache
+  c.rollout.kv_margin = 0.25  # paged: admission reserves predicted length x (1 + margin)
 
   # rollout.lengths='workload': synthetic long-tailed lengths (flexfloor_jax/policy/workload.py),
   # length = clip(median * exp(sigma z_prompt + epoch_noise u + sample_noise v), 1, max_new_tokens)

@@ -134,6 +134,21 @@ class RolloutSettings:
   compile_threads: int
   record_routes: bool
   output_dir: str
+  kv: str = "slots"  # 'slots' (fixed-length rows) | 'paged' (a page pool per worker)
+  page_size: int = 16  # paged: tokens per page
+  max_seqs_per_worker: int = 0  # paged: sequence rows per worker; 0 = 2 x slots_per_worker
+  kv_pages: int = 0  # paged: pages per worker; 0 = the fixed-slot cache's bytes
+  kv_margin: float = 0.25  # paged: admission reserves predicted length x (1 + margin)
+
+  @property
+  def max_seqs(self) -> int:
+    """Paged KV: sequence rows per worker (max_seqs_per_worker, 0 resolved)."""
+    return self.max_seqs_per_worker or 2 * self.slots_per_worker
+
+  @property
+  def lanes(self) -> int:
+    """Sequences a worker runs at once: its decode slots, or (paged KV) its sequence rows."""
+    return self.max_seqs if self.kv == "paged" else self.slots_per_worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +215,14 @@ def _rollout(c) -> RolloutSettings:
       wait_plan_compiles=r.flag("wait_plan_compiles", default=True),
       compile_threads=r.int("compile_threads", 0, default=0,
                             note=" (0 = one per core, at most 4)"),
-      record_routes=r.flag("record_routes", default=False), output_dir=r.text("output_dir"))
+      record_routes=r.flag("record_routes", default=False), output_dir=r.text("output_dir"),
+      kv=r.choice("kv", ("slots", "paged"), default="slots"),
+      page_size=r.int("page_size", default=16),
+      max_seqs_per_worker=r.int("max_seqs_per_worker", 0, default=0,
+                                note=" (0 = 2 x rollout.slots_per_worker)"),
+      kv_pages=r.int("kv_pages", 0, default=0,
+                     note=" (0 = the bytes of the fixed-slot cache)"),
+      kv_margin=r.num("kv_margin", default=0.25))
 
 
 def _workload(c) -> WorkloadSettings:
@@ -389,6 +411,10 @@ def load(config, entry: str = "rollout") -> Settings:
     raise ConfigError(f"rollout.max_prompt_len={ro.max_prompt_len} exceeds model.max_seq_len="
                       f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
                       "cache of max_seq_len)")
+  if ro.kv == "paged" and m.max_seq_len and ro.kv_pages and (
+      ro.kv_pages * ro.page_size < m.max_seq_len):
+    raise ConfigError(f"rollout.kv_pages={ro.kv_pages} of rollout.page_size={ro.page_size} "
+                      f"tokens cannot hold one sequence of model.max_seq_len={m.max_seq_len}")
   for name in ENTRIES[entry]:
     parts[name] = SECTIONS[name](config, parts)
   return Settings(preset=preset, schedule=schedule, **parts)

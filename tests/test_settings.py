@@ -74,6 +74,8 @@ def test_optional_fields_take_their_defaults():
   c = load_config("mixtral", "tiny").to_dict()
   for sec, f in (("model", "exchange"), ("rollout", "compile_threads"),
                  ("rollout", "wait_plan_compiles"), ("rollout", "record_routes"),
+                 ("rollout", "kv"), ("rollout", "page_size"), ("rollout", "max_seqs_per_worker"),
+                 ("rollout", "kv_pages"), ("rollout", "kv_margin"),
                  ("scheduler", "makespan_slack"), ("scheduler", "step_cost"),
                  ("scheduler", "placement"), ("scheduler", "release_sizes")):
     del c[sec][f]
@@ -84,6 +86,9 @@ def test_optional_fields_take_their_defaults():
   assert (st.scheduler.makespan_slack, st.scheduler.step_cost, st.scheduler.placement,
           st.scheduler.release_sizes) == (0.05, "auto", "auto", "")
   assert st.workload == settings.WorkloadSettings()
+  assert (st.rollout.kv, st.rollout.page_size, st.rollout.max_seqs_per_worker,
+          st.rollout.kv_pages, st.rollout.kv_margin) == ("slots", 16, 0, 0, 0.25)
+  assert (st.rollout.max_seqs, st.rollout.lanes) == (8, 4)
 
 
 @pytest.mark.parametrize("field", ["rollout.max_new_tokens", "model.dtype", "sampling.seed",
@@ -137,6 +142,11 @@ BAD = [
     ("rollout", "mixtral", "rollout.compile_threads", -1),
     ("rollout", "mixtral", "rollout.record_routes", None),
     ("rollout", "mixtral", "rollout.output_dir", None),
+    ("rollout", "mixtral", "rollout.kv", "vllm"),
+    ("rollout", "mixtral", "rollout.page_size", 0),
+    ("rollout", "mixtral", "rollout.max_seqs_per_worker", -1),
+    ("rollout", "mixtral", "rollout.kv_pages", -1),
+    ("rollout", "mixtral", "rollout.kv_margin", -0.5),
     ("rollout", "mixtral", "workload.sigma", -1.0),
     ("rollout", "mixtral", "workload.median", 0.0),
     ("rollout", "mixtral", "workload.epoch_noise", INF),
@@ -233,6 +243,8 @@ def test_every_field_has_a_bad_case():
     ("sft", "grpo", {"rl.task_size": 40},
      ["rl.task_size=40", "rollout.max_prompt_len", "model.max_seq_len"]),
     ("train", "grpo", {"rollout.lengths": "workload"}, ["rollout.lengths", "'model'"]),
+    ("rollout", "mixtral", {"rollout.kv": "paged", "rollout.kv_pages": 3, "model.max_seq_len": 64},
+     ["rollout.kv_pages=3", "rollout.page_size=16", "model.max_seq_len=64"]),
 ])
 def test_fields_checked_together(entry, name, changes, expect):
   c = load_config(name, "tiny").to_dict()
