@@ -190,10 +190,15 @@ def _move_by_device(tree: dict, target: dict, devices, moves, movers) -> tuple[d
   return {k: assemble(shards[k], t.sharding, t.shape, t.dtype) for k, t in target.items()}, nbytes
 
 
-def migrate(steps, devices: Sequence, active: Sequence[int], state, moves) -> tuple:
+def migrate(steps, devices: Sequence, active: Sequence[int], state, moves,
+            page_moves=None) -> tuple:
   """Move live sequences (src worker, src decode slot, dst worker, dst decode slot) between the
   active workers: their sequence rows of the decode state `state` (an engine DecodeState; its KV
-  rows and scalars). `steps`: the engine's StepCache. Returns (new state, KV bytes sent)."""
+  rows and scalars). `steps`: the engine's StepCache. Returns (new state, KV bytes sent).
+  Paged KV: `page_moves` gives each move's (source page ids, destination page ids), and only
+  those pages move (migrate_paged)."""
+  if page_moves is not None:
+    return migrate_paged(steps, devices, state, moves, page_moves)
   b = steps.spec.slots_per_worker
   tree = state.as_dict()
   touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
@@ -209,6 +214,34 @@ def migrate(steps, devices: Sequence, active: Sequence[int], state, moves) -> tu
   rest_per_row = sum(a.nbytes for k, a in state.as_dict().items() if k not in ("k", "v")) \
       // rows_total
   return state, int(nbytes * kv_per_row // (kv_per_row + rest_per_row))
+
+
+def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
+  """Paged KV: a migrated sequence's row (scalars, outputs) by the RowMovers and its live pages
+  by the PageMovers: taken on the source at the source page ids, written on the destination at
+  the destination page ids (what the host's page pool chose). Every page is taken before any is
+  written: the pool hands a destination the pages other moves' sources just gave back. Movers
+  the plan did not compile are compiled here. Returns (new state, KV bytes sent)."""
+  if jax.process_count() > 1:
+    raise NotImplementedError("paged KV: migration across processes is not implemented")
+  touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
+  rows = state.row_dict()
+  rows, _ = _move_by_device(rows, rows, devices, moves, steps.row_movers(touched))
+  pm = steps.page_movers(touched)
+  pools = state.page_dict()
+  shards = {k: shards_by_device(a) for k, a in pools.items()}
+  on = lambda d: {k: b[d] for k, b in shards.items()}
+  taken = [pm[devices[sw]].take(on(devices[sw]), pm[devices[sw]].ids(src))
+           for (sw, _, _, _), (src, _) in zip(moves, page_moves)]
+  sent = jax.device_put(taken, [devices[dw] for _, _, dw, _ in moves])
+  del taken
+  for (_, _, dw, _), (_, dst), pages in zip(moves, page_moves, sent):
+    d = devices[dw]
+    for k, b in pm[d].put(on(d), pages, pm[d].ids(dst)).items():
+      shards[k][d] = b
+  pools = {k: assemble(shards[k], a.sharding, a.shape, a.dtype) for k, a in pools.items()}
+  page_bytes = sum(a.nbytes // a.shape[2] for a in pools.values())
+  return state.replace(**rows, **pools), int(page_bytes * sum(len(s) for s, _ in page_moves))
 
 
 @dataclasses.dataclass

@@ -1,6 +1,7 @@
 """The compiled programs that move expert slots and sequence rows: SPMD extract / insert per mesh
 (compile_movers, compiled with each StepSet) and single-device take / put per device (SlotMovers,
-RowMovers). elastic.py decides nothing either: it runs these for a release or a migration."""
+RowMovers; PageMovers for the pages of a paged KV pool). elastic.py decides nothing either: it
+runs these for a release or a migration."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def compile_movers(stepset) -> dict:
   w = mesh_lib.batch_spec(1)  # one mover index per worker
   idx_abs = jax.ShapeDtypeStruct((mesh.size,), jnp.int32, sharding=mesh_lib.named(mesh, w))
   out = {}
-  groups = {"experts": stepset.abstract_experts, "rows": stepset.abstract_state.as_dict()}
+  groups = {"experts": stepset.abstract_experts, "rows": stepset.abstract_state.row_dict()}
   for group, tree in groups.items():
     specs = {k: v.sharding.spec for k, v in tree.items()}
     ext = jax.jit(jax.shard_map(_extract_local, mesh=mesh, in_specs=(specs, w), out_specs=specs,
@@ -120,3 +121,40 @@ class RowMovers:
     self.slot = [jax.device_put(np.int32(r), device) for r in range(rows)]
     t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
     jax.block_until_ready(self.put(t, self.take(t, self.slot[0]), self.slot[0]))
+
+
+class PageMovers:
+  """Single-device movers of a paged KV pool's pages, for one device's shard {k_pages, v_pages:
+  [L, K, num_pages, page_size, D]}: `take(pool, ids)` cuts out the pages `ids` [M] (entries
+  >= num_pages: padding, read as the last page), `put(pool, pages, ids)` writes them at `ids`
+  (padding entries write nothing) and donates the pool. A migrated sequence moves only its live
+  pages, into the page ids its destination's page table names."""
+
+  def __init__(self, shard_abstract: dict, device: jax.Device, pages_per_seq: int):
+    sh = SingleDeviceSharding(device)
+    tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+            for k, v in shard_abstract.items()}
+    ids = jax.ShapeDtypeStruct((pages_per_seq,), jnp.int32, sharding=sh)
+    self.device, self.pages_per_seq = device, pages_per_seq
+    self.num_pages = next(iter(tree.values())).shape[2]
+
+    def take(t, i):
+      return {k: jnp.take(x, jnp.clip(i, 0, x.shape[2] - 1), axis=2) for k, x in t.items()}
+
+    def put(t, pages, i):
+      return {k: x.at[:, :, i].set(pages[k], mode="drop") for k, x in t.items()}
+
+    self.take = jax.jit(take).lower(tree, ids).compile()
+    pages_abs = jax.eval_shape(take, tree, ids)
+    pages_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
+                 for k, v in pages_abs.items()}
+    self.put = jax.jit(put, donate_argnums=0).lower(tree, pages_abs, ids).compile()
+    t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
+    i0 = self.ids([0])
+    jax.block_until_ready(self.put(t, self.take(t, i0), i0))
+
+  def ids(self, pages) -> jax.Array:
+    """Page ids [M] on this device, padded with num_pages (writes nothing)."""
+    out = np.full((self.pages_per_seq,), self.num_pages, np.int32)
+    out[:len(pages)] = pages
+    return jax.device_put(out, self.device)

@@ -6,10 +6,19 @@ most one decode slot per worker; one compiled decode dispatch runs up to `max_st
 on all active workers inside a `lax.while_loop`, stopping early when the caller asked to hear
 about a finish. The engine knows how to change its mesh (elastic.release / elastic.migrate do
 it), never why; finish reasons and the stop rule come from policy/controller.py.
+
+Paged KV (spec.kv == 'paged'): the decode slots are the pool's max_seqs sequence rows, and the KV
+lives in each worker's pool of pages. The page tables are the host pool's (`attach_pages`, a
+policy.pages.PagePool that the controller drives): they go with every prefill and decode, and a
+migration moves only the pages the pool says. `preempt` drops rows and keeps (on the host) the
+tokens and log-probs they had made; a later prefill of such a sequence recomputes the KV of its
+prompt + those tokens (a prefill `spec.resume_width` wide, compiled at the first preemption) and
+continues; its output is the kept tokens + the new ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional, Sequence
 
@@ -72,6 +81,10 @@ class Engine:
     self._migrate_t0: Optional[float] = None  # a plan's migration: its release decision time
     self.release_latencies: list[float] = []
     self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
+    self.pages = None  # paged KV: the host's page pool (attach_pages)
+    self._tables: Optional[np.ndarray] = None  # page tables the device last got [W, B, M]
+    self._kept: dict[int, tuple[list, list]] = {}  # preempted seq -> (tokens, logprobs) so far
+    self.preemptions = 0
 
   # -- setup
   @property
@@ -81,6 +94,26 @@ class Engine:
   def set_placement(self, placement: ExpertPlacement):
     self.placement = placement
     self.e2s = placement.expert_to_slot(self.active).astype(np.int32)  # sent with each step
+
+  def attach_pages(self, pool):
+    """Paged KV: the page pool (policy.pages.PagePool) whose tables the steps use."""
+    spec = self.spec
+    if not spec.paged:
+      raise ValueError("attach_pages needs an engine with spec.kv == 'paged'")
+    want = (spec.slots_per_worker, spec.num_pages, spec.page_size, spec.pages_per_seq)
+    got = (pool.max_seqs, pool.num_pages, pool.page_size, pool.max_pages_per_seq)
+    if got != want or pool.num_workers < len(self.devices):
+      raise ValueError(f"page pool (max_seqs, num_pages, page_size, max_pages_per_seq) {got} "
+                       f"for {pool.num_workers} workers; the engine needs {want} for "
+                       f"{len(self.devices)}")
+    self.pages = pool
+    self._tables = pool.tables()
+
+  def _page_tables(self) -> np.ndarray:
+    if self.pages is None:
+      raise RuntimeError("paged KV: attach_pages(pool) before the first step")
+    self._tables = self.pages.tables()
+    return self._tables
 
   def add_sequences(self, seqs: dict[int, SeqInput]):
     lp = self.spec.max_prompt_len
@@ -112,15 +145,30 @@ class Engine:
     workers = [w for w, _, _ in assign]
     if len(set(workers)) != len(workers):
       raise ValueError(f"two prefills for one worker in one step: {list(assign)}")
-    host = state_lib.prefill_host(self.spec.max_prompt_len, len(self.active), self.seed,
-                                  self.epoch, [(self._pos(w), s, self.seqs[sid])
-                                               for w, s, sid in assign])
+    fresh = [a for a in assign if a[2] not in self._kept]
+    resumed = [a for a in assign if a[2] in self._kept]
+    tables = self._page_tables() if self.spec.paged else None
     for w, s, sid in assign:
       self._seq_in_slot[(w, s)] = sid
     ss = self.stepset
-    self.state, counts = ss["prefill"](self.rest, self.experts, self.state,
-                                       ss.put_host(host, self.e2s))
-    self.expert_counts += self._read(counts)[0]
+    # fresh prompts take the usual prefill; resumed sequences (paged KV) a wider one apart, so
+    # a fresh prompt's prefill never depends on a preemption beside it
+    for group, width, step in ((fresh, self.spec.max_prompt_len, "prefill"),
+                               (resumed, self.spec.resume_width, "prefill_resume")):
+      if not group:
+        continue
+      rows = []
+      for w, s, sid in group:
+        q, kept = self.seqs[sid], self._kept.get(sid, ([], []))[0]
+        if kept:
+          q = dataclasses.replace(q, tokens=np.concatenate([q.tokens, np.asarray(kept,
+                                                                                 np.int32)]))
+        rows.append((self._pos(w), s, q, len(kept), None if tables is None else tables[w, s]))
+      host = state_lib.prefill_host(width, len(self.active), self.seed, self.epoch, rows,
+                                    self.spec.pages_per_seq)
+      fn = ss.resume_prefill() if step == "prefill_resume" else ss["prefill"]
+      self.state, counts = fn(self.rest, self.experts, self.state, ss.put_host(host, self.e2s))
+      self.expert_counts += self._read(counts)[0]
     if self._pending_release_t0 is not None:  # a prefill is the first output on the new mesh
       self._first_output_on_new_mesh(self.state)
     return self._read_finishes()
@@ -129,7 +177,9 @@ class Engine:
     """Up to `max_steps` decode steps on all active workers (stop masks by worker position)."""
     self._migrate_t0 = None
     ss = self.stepset
-    host = lambda k: ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle), self.e2s)
+    tables = self._page_tables()[self.active] if self.spec.paged else None
+    host = lambda k: ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables),
+                                 self.e2s)
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
       # First step on a new mesh alone, to time release decision -> first output.
@@ -175,15 +225,42 @@ class Engine:
       row = self._pos(w) * b + s  # the decode slot's sequence row
       k = int(n_gen[row])
       q = self.seqs[sid]
-      tk = toks[row, :k].tolist()
+      tk, lp = self._merged(sid, toks[row, :k], lps[row, :k])
+      self._kept.pop(sid, None)
       reason = finish_reason(k, q.limit, target=q.fixed_length,
                              eos=bool(q.stop_eos and tk and tk[-1] == self.spec.cfg.eos_id))
       fed = len(q.tokens) + k - 1  # positions that went through the model
-      self.outputs[sid] = SeqOutput(tk, lps[row, :k].tolist(), reason, w, s,
+      self.outputs[sid] = SeqOutput(tk, lp, reason, w, s,
                                     None if routes is None else routes[row, :fed].copy())
       del self._seq_in_slot[(w, s)]
       out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason))
     return out
+
+  def _merged(self, sid: int, toks, lps) -> tuple[list, list]:
+    """A sequence's tokens and log-probs: those kept from before its preemption (paged KV),
+    then the device's from there on."""
+    kt, kl = self._kept.get(sid, ([], []))
+    return list(kt) + toks[len(kt):].tolist(), list(kl) + lps[len(kl):].tolist()
+
+  def preempt(self, slots: Sequence[tuple[int, int]]):
+    """Paged KV: drop the live sequences of these (worker, decode slot)s, keeping the tokens and
+    log-probs each has made; a later prefill of the sequence recomputes its KV and continues.
+    The rows go dead by a host write of the scalars (no compile)."""
+    if not slots:
+      return
+    scalars, toks, lps = self._read(self.state.scalars, self.state.out_tokens,
+                                     self.state.out_logprobs)
+    scalars = np.array(scalars)
+    b, col = self.spec.slots_per_worker, state_lib.SCALAR_COLS
+    for w, s in slots:
+      sid = self._seq_in_slot.pop((w, s))
+      row = self._pos(w) * b + s
+      k = int(scalars[row, col.index("n_gen")])
+      self._kept[sid] = self._merged(sid, toks[row, :k], lps[row, :k])
+      scalars[row, col.index("live")] = 0
+    self.state = self.state.replace(
+        scalars=jax.device_put(scalars, self.state.scalars.sharding))
+    self.preemptions += len(slots)
 
   # -- elastic (elastic.py moves the data)
   def migrate(self, moves: Sequence[tuple[int, int, int, int]]) -> int:
@@ -191,8 +268,20 @@ class Engine:
     if not moves:
       return 0
     self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
+    page_moves = None
+    if self.spec.paged:  # the pool has moved them already: sources from the tables last sent
+      page_moves, m = [], self.pages.num_pages
+      for sw, ss, dw, ds in moves:
+        n = self.pages.owned(dw, ds)
+        src, dst = self._tables[sw, ss, :n], self.pages.table(dw)[ds, :n]
+        if (src >= m).any() or (dst >= m).any():
+          raise RuntimeError(f"migration {(sw, ss, dw, ds)}: pages {src.tolist()} -> "
+                             f"{dst.tolist()} do not match the page tables")
+        page_moves.append((src, dst))
     self.state, kv_bytes = elastic.migrate(self.steps, self.devices, self.active, self.state,
-                                           moves)
+                                           moves, page_moves)
+    if self.spec.paged:
+      self._tables = self.pages.tables()
     for sw, s_, dw, ds in moves:
       if (sw, s_) in self._seq_in_slot:
         self._seq_in_slot[(dw, ds)] = self._seq_in_slot.pop((sw, s_))

@@ -24,7 +24,7 @@ from flexfloor_jax.sampling import SamplingParams
 class EngineSpec:
   """Everything that fixes compiled shapes (identical for every schedule: fairness)."""
   cfg: ModelConfig
-  slots_per_worker: int  # B: decode slots per worker
+  slots_per_worker: int  # B: decode slots per worker (paged KV: the pool's max_seqs rows)
   expert_slots: int  # S: expert slots per worker, preallocated for the floor
   max_seq_len: int  # KV cache length per decode slot (prompt + response)
   max_prompt_len: int  # prefill width
@@ -39,6 +39,33 @@ class EngineSpec:
   record_routes: bool = False  # keep every token's top-k experts per layer (RL routing replay)
   # EP token exchange: 'auto' ('ragged' on TPU/GPU, 'all_to_all' on CPU) | 'all_to_all' | 'ragged'
   exchange: str = "auto"
+  # KV: 'slots' (a fixed-length cache row per decode slot) | 'paged' (a pool of num_pages pages
+  # of page_size tokens per worker, read and written through page tables from the host)
+  kv: str = "slots"
+  page_size: int = 16
+  num_pages: int = 0  # pages per worker (paged KV)
+
+  def __post_init__(self):
+    if self.kv not in ("slots", "paged"):
+      raise ValueError(f"EngineSpec.kv must be 'slots' or 'paged', got {self.kv!r}")
+    if self.kv == "paged" and min(self.page_size, self.num_pages) < 1:
+      raise ValueError(f"paged KV needs page_size and num_pages >= 1, got {self.page_size}, "
+                       f"{self.num_pages}")
+
+  @property
+  def paged(self) -> bool:
+    return self.kv == "paged"
+
+  @property
+  def pages_per_seq(self) -> int:
+    """Page-table width of a sequence row: max_seq_len in pages (0 with fixed slots)."""
+    return -(-self.max_seq_len // self.page_size) if self.paged else 0
+
+  @property
+  def resume_width(self) -> int:
+    """Token columns of a resumed sequence's prefill (prompt + tokens made before it was
+    preempted: fewer than max_seq_len)."""
+    return self.max_seq_len
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
     impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())
@@ -101,6 +128,11 @@ def expert_spec() -> PartitionSpec:
 
 def cache_spec() -> PartitionSpec:
   return mesh_lib.logical_spec("layer", "batch", None, None, None)
+
+
+def pages_spec() -> PartitionSpec:
+  """The paged pool [L, Hkv, N*num_pages, page_size, Dh]: pages split over the workers."""
+  return mesh_lib.logical_spec("layer", "kv_heads", "batch", None, None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,10 @@ is its row in the global arrays (position of the worker among the active ones * 
 *expert slot* is a place for one expert's weights on a worker (S per worker).
 
 DecodeState (a pytree; leading row axis N*B, or axis 1 for the KV cache, sharded over workers):
-  k, v          the KV cache [L, N*B, max_seq_len, Hkv, Dh]
+  k, v          the KV cache [L, N*B, max_seq_len, Hkv, Dh] (spec.kv == 'slots'), or None
+  k_pages, v_pages  the paged KV pool [L, Hkv, N*num_pages, page_size, Dh] (spec.kv == 'paged',
+                page axis sharded: each worker holds its own num_pages pages, page ids local), or
+                None; B is then spec.slots_per_worker = the pool's max_seqs sequence rows
   scalars       int32 [N*B, len(SCALAR_COLS)]: a decode slot's scalars and sequence key packed
                 into one array, so a release reassembles one array for them instead of eight
   out_tokens, out_logprobs  [N*B, max_new_tokens]
@@ -15,7 +18,9 @@ A step's host inputs travel as one int32 array sharded over the workers, one row
 transfer per step instead of one per input); the last num_experts columns of every row hold the
 expert -> global expert slot table, so a release moves no separate table either. The builders
 and readers below own those column layouts (PREFILL_COLS, DECODE_COLS): nothing else indexes
-the host arrays.
+the host arrays. Paged KV: a prefill row also carries the page table of the row it fills
+(pages_per_seq columns), a decode row the page tables of all its worker's B rows (B x
+pages_per_seq); the tables come from the host's page pool with every step.
 """
 
 from __future__ import annotations
@@ -64,17 +69,27 @@ class Scalars:
 @struct.dataclass
 class DecodeState:
   """Everything the decode slots hold on device (see the module docstring)."""
-  k: jax.Array
-  v: jax.Array
   scalars: jax.Array
   out_tokens: jax.Array
   out_logprobs: jax.Array
+  k: Optional[jax.Array] = None
+  v: Optional[jax.Array] = None
   routes: Optional[jax.Array] = None
+  k_pages: Optional[jax.Array] = None
+  v_pages: Optional[jax.Array] = None
 
   def as_dict(self) -> dict:
     """{name: array} of the fields present (elastic.py moves rows by name)."""
-    names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes")
+    names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes", "k_pages", "v_pages")
     return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+  def row_dict(self) -> dict:
+    """The fields with a sequence-row axis (everything but a paged pool's pages)."""
+    return {n: a for n, a in self.as_dict().items() if n not in PAGE_FIELDS}
+
+  def page_dict(self) -> dict:
+    """The paged pool's pages ({} with fixed slots)."""
+    return {n: a for n, a in self.as_dict().items() if n in PAGE_FIELDS}
 
   def slot_scalars(self) -> Scalars:
     return Scalars.unpack(self.scalars)
@@ -83,15 +98,29 @@ class DecodeState:
   def cache(self) -> tfm.KVCache:
     return tfm.KVCache(self.k, self.v)
 
+  @property
+  def paged(self):
+    from flexfloor_jax.model.paged import PagedKVCache
+    return PagedKVCache(self.k_pages, self.v_pages)
+
+
+PAGE_FIELDS = ("k_pages", "v_pages")
+
 
 def state_shapes(spec, n: int) -> DecodeState:
   """DecodeState of ShapeDtypeStructs for n workers (`spec`: an EngineSpec, or anything with its
   cfg, slots_per_worker, max_seq_len, max_new_tokens and record_routes)."""
   cfg, nb = spec.cfg, n * spec.slots_per_worker
-  kv = jax.ShapeDtypeStruct((cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads,
-                             cfg.head_dim), tfm.dtype_of(cfg))
+  if getattr(spec, "kv", "slots") == "paged":
+    pages = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, n * spec.num_pages,
+                                  spec.page_size, cfg.head_dim), tfm.dtype_of(cfg))
+    kv, kv_fields = None, dict(k_pages=pages, v_pages=pages)
+  else:
+    kv = jax.ShapeDtypeStruct((cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads,
+                               cfg.head_dim), tfm.dtype_of(cfg))
+    kv_fields = {}
   return DecodeState(
-      k=kv, v=kv,
+      k=kv, v=kv, **kv_fields,
       scalars=jax.ShapeDtypeStruct((nb, len(SCALAR_COLS)), jnp.int32),
       out_tokens=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
       out_logprobs=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
@@ -107,42 +136,56 @@ def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new
                                max_new_tokens=max_new_tokens, record_routes=record_routes)
   arrays = state_shapes(spec, 1).as_dict()
   return sum(math.prod(v.shape) * v.dtype.itemsize for k, v in arrays.items()
-             if k not in ("k", "v"))
+             if k not in ("k", "v", *PAGE_FIELDS))
 
 
 # ----------------------------------------------------------------------------- host inputs
 
-# Prefill rows: the prompt's max_prompt_len token columns, then PREFILL_COLS.
-PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch")
-# Decode rows: DECODE_COLS.
+# Prefill rows: the prompt's `width` token columns (max_prompt_len; a resumed sequence's prefill:
+# max_seq_len), then PREFILL_COLS, then (paged KV) the filled row's page table. `generated`: the
+# tokens a resumed (preempted) sequence had made; its tokens are prompt + those.
+PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch",
+                "generated")
+# Decode rows: DECODE_COLS, then (paged KV) the page tables of the worker's B rows.
 DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle")
 
 
-def prefill_host(max_prompt_len: int, n: int, seed: int, epoch: int,
-                 rows: Sequence[tuple[int, int, object]]) -> np.ndarray:
+def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple],
+                 pages_per_seq: int = 0) -> np.ndarray:
   """Host inputs of one prefill step on n workers: `rows` (worker position, decode slot,
-  SeqInput), at most one per position; a worker without one prefills nothing (slot -1)."""
-  lp = max_prompt_len
-  host = np.zeros((n, lp + len(PREFILL_COLS)), np.int32)
+  SeqInput[, generated, page table row]), at most one per position; a worker without one
+  prefills nothing (slot -1). pages_per_seq > 0: paged KV, each row brings its page table."""
+  lp = width
+  host = np.zeros((n, lp + len(PREFILL_COLS) + pages_per_seq), np.int32)
   col = {name: lp + i for i, name in enumerate(PREFILL_COLS)}
   host[:, col["slot"]] = -1
   host[:, col["seed"]] = seed
   host[:, col["epoch"]] = epoch
-  for p, slot, q in rows:
+  t0 = lp + len(PREFILL_COLS)
+  for p, slot, q, *more in rows:
+    generated = more[0] if more else 0
     if host[p, col["slot"]] >= 0:
       raise ValueError(f"two prefills for worker position {p} in one step")
     host[p, :len(q.tokens)] = q.tokens
     for name, val in (("length", len(q.tokens)), ("slot", slot), ("limit", q.limit),
-                      ("stop_eos", q.stop_eos), ("phash", q.phash), ("sample", q.sample)):
+                      ("stop_eos", q.stop_eos), ("phash", q.phash), ("sample", q.sample),
+                      ("generated", generated)):
       host[p, col[name]] = val
+    if pages_per_seq:
+      host[p, t0:] = np.asarray(more[1], np.int32)[:pages_per_seq]
   return host
 
 
-def decode_host(max_steps: int, stop_on_refill, stop_on_idle) -> np.ndarray:
-  """Host inputs of one decode dispatch: the masks are per worker position."""
+def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None) -> np.ndarray:
+  """Host inputs of one decode dispatch: the masks are per worker position; `tables` (paged KV)
+  [n, B, pages_per_seq] the page tables of every worker's rows."""
   cols = {"max_steps": np.full(len(stop_on_refill), max_steps), "stop_on_refill": stop_on_refill,
           "stop_on_idle": stop_on_idle}
-  return np.stack([np.asarray(cols[name]) for name in DECODE_COLS], axis=1).astype(np.int32)
+  host = np.stack([np.asarray(cols[name]) for name in DECODE_COLS], axis=1).astype(np.int32)
+  if tables is not None:
+    t = np.asarray(tables, np.int32)
+    host = np.concatenate([host, t.reshape(t.shape[0], -1)], 1)
+  return host
 
 
 def with_expert_table(host: np.ndarray, e2s: np.ndarray) -> np.ndarray:
@@ -151,20 +194,28 @@ def with_expert_table(host: np.ndarray, e2s: np.ndarray) -> np.ndarray:
   return np.concatenate([host, table], 1).astype(np.int32)
 
 
-def host_width(kind: str, max_prompt_len: int, num_experts: int) -> int:
-  """Columns of a step's host array ('prefill' | 'decode'), the expert table included."""
-  cols = max_prompt_len + len(PREFILL_COLS) if kind == "prefill" else len(DECODE_COLS)
-  return cols + num_experts
+def host_width(kind: str, width: int, num_experts: int, table_cols: int = 0) -> int:
+  """Columns of a step's host array ('prefill' | 'decode'), the expert table included;
+  `table_cols`: the page-table columns (paged KV; prefill: pages_per_seq, decode: B x that)."""
+  cols = width + len(PREFILL_COLS) if kind == "prefill" else len(DECODE_COLS)
+  return cols + table_cols + num_experts
 
 
-def read_prefill(host_PC: jax.Array, max_prompt_len: int, num_experts: int):
-  """Inside a step: (prompt tokens [P, T], {PREFILL_COLS name: [P]}, expert table [E])."""
+def read_prefill(host_PC: jax.Array, width: int, num_experts: int, pages_per_seq: int = 0):
+  """Inside a step: (prompt tokens [P, T], {PREFILL_COLS name: [P]}, expert table [E], page
+  table [P, pages_per_seq] or None)."""
   host_PC, e2s = host_PC[:, :-num_experts], host_PC[0, -num_experts:]
-  cols = {name: host_PC[:, max_prompt_len + i] for i, name in enumerate(PREFILL_COLS)}
-  return host_PC[:, :max_prompt_len], cols, e2s
+  cols = {name: host_PC[:, width + i] for i, name in enumerate(PREFILL_COLS)}
+  t0 = width + len(PREFILL_COLS)
+  table = host_PC[:, t0:t0 + pages_per_seq] if pages_per_seq else None
+  return host_PC[:, :width], cols, e2s, table
 
 
-def read_decode(host_PC: jax.Array, num_experts: int):
-  """Inside a step: ({DECODE_COLS name: this worker's value}, expert table [E])."""
+def read_decode(host_PC: jax.Array, num_experts: int, rows: int = 0, pages_per_seq: int = 0):
+  """Inside a step: ({DECODE_COLS name: this worker's value}, expert table [E], page tables
+  [rows, pages_per_seq] or None)."""
+  n = len(DECODE_COLS)
+  table = (host_PC[0, n:n + rows * pages_per_seq].reshape(rows, pages_per_seq)
+           if pages_per_seq else None)
   return ({name: host_PC[0, i] for i, name in enumerate(DECODE_COLS)},
-          host_PC[0, -num_experts:])
+          host_PC[0, -num_experts:], table)

@@ -20,7 +20,7 @@ from flexfloor_jax import distributed
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax import movers
 from flexfloor_jax.engine import state as state_lib
-from flexfloor_jax.engine.spec import EngineSpec, SeqInput, cache_spec
+from flexfloor_jax.engine.spec import EngineSpec, SeqInput, cache_spec, pages_spec
 from flexfloor_jax.engine.steps import decode_local, prefill_local
 from flexfloor_jax.model import transformer as tfm
 
@@ -41,8 +41,14 @@ class StepSet:
     self.cache_sharding = mesh_lib.named(mesh, cache_spec())
     shapes = state_lib.state_shapes(spec, n)
     rows = lambda x: mesh_lib.named(mesh, mesh_lib.batch_spec(len(x.shape)))
-    self.state_sharding = jax.tree.map(rows, shapes).replace(k=self.cache_sharding,
-                                                             v=self.cache_sharding)
+    self.state_sharding = jax.tree.map(rows, shapes)
+    if spec.paged:
+      self.pages_sharding = mesh_lib.named(mesh, pages_spec())
+      self.state_sharding = self.state_sharding.replace(k_pages=self.pages_sharding,
+                                                        v_pages=self.pages_sharding)
+    else:
+      self.state_sharding = self.state_sharding.replace(k=self.cache_sharding,
+                                                        v=self.cache_sharding)
     self.worker_sharding = mesh_lib.named(mesh, mesh_lib.batch_spec(1))
     self.host_spec = mesh_lib.batch_spec(2)
     self.host_sharding = mesh_lib.named(mesh, self.host_spec)
@@ -59,23 +65,25 @@ class StepSet:
   def _specs(self, tree):
     return jax.tree.map(lambda s: s.spec, tree)
 
-  def _step_jit(self, body, num_replicated_out: int):
+  def _step_jit(self, body, num_replicated_out: int, **kw):
     spec, n = self.spec, self.mesh.size
     st = self._specs(self.state_sharding)
     in_specs = (self._specs(self.rest_sharding), self._specs(self.expert_sharding), st,
                 self.host_spec)
     out_specs = (st,) + (mesh_lib.replicated_spec(),) * num_replicated_out
-    fn = jax.shard_map(functools.partial(body, spec, n), mesh=self.mesh, in_specs=in_specs,
+    fn = jax.shard_map(functools.partial(body, spec, n, **kw), mesh=self.mesh, in_specs=in_specs,
                        out_specs=out_specs, check_vma=False)
     return jax.jit(fn, donate_argnums=(2,))
 
-  def _args_abstract(self, kind: str):
-    width = state_lib.host_width(kind, self.spec.max_prompt_len, self.spec.cfg.num_experts)
-    host = jax.ShapeDtypeStruct((self.mesh.size, width), jnp.int32, sharding=self.host_sharding)
+  def _args_abstract(self, kind: str, width: int = 0):
+    spec = self.spec
+    m = spec.pages_per_seq * (1 if kind == "prefill" else spec.slots_per_worker)
+    cols = state_lib.host_width(kind, width or spec.max_prompt_len, spec.cfg.num_experts, m)
+    host = jax.ShapeDtypeStruct((self.mesh.size, cols), jnp.int32, sharding=self.host_sharding)
     return (self.abstract_rest, self.abstract_experts, self.abstract_state, host)
 
-  def prefill_args_abstract(self):
-    return self._args_abstract("prefill")
+  def prefill_args_abstract(self, width: int = 0):
+    return self._args_abstract("prefill", width)
 
   def decode_args_abstract(self):
     return self._args_abstract("decode")
@@ -101,6 +109,16 @@ class StepSet:
         self.warm_up()
     return self
 
+  def resume_prefill(self):
+    """The prefill of preempted sequences (paged KV), spec.resume_width token columns: compiled
+    at its first use, since only a run that preempts needs it."""
+    self.compile()
+    if "prefill_resume" not in self._compiled:
+      w = self.spec.resume_width
+      self._compiled["prefill_resume"] = self._step_jit(prefill_local, 1, width=w).lower(
+          *self.prefill_args_abstract(w)).compile()
+    return self._compiled["prefill_resume"]
+
   def warm_up(self):
     """Run each executable once on placeholder inputs, with one live decode slot per worker and
     valid mover indices: XLA:CPU compiles a kernel at its first execution, so a loop body (decode
@@ -112,12 +130,15 @@ class StepSet:
     rest, experts, st = jax.tree.map(zeros, self.prefill_args_abstract()[:-1])
     # a full-width prompt into decode slot 0 of every worker, left live (limit 2)
     seq = SeqInput(tokens=np.zeros((lp,), np.int32), limit=2, stop_eos=False, phash=0, sample=0)
-    host = state_lib.prefill_host(lp, n, 0, 0, [(p, 0, seq) for p in range(n)])
+    m, b = self.spec.pages_per_seq, self.spec.slots_per_worker
+    row = np.minimum(np.arange(m), self.spec.num_pages - 1)  # paged KV: valid page ids
+    host = state_lib.prefill_host(lp, n, 0, 0, [(p, 0, seq, 0, row) for p in range(n)], m)
     st, _ = self._compiled["prefill"](rest, experts, st, self.put_host(host, e2s))
-    host = state_lib.decode_host(1, np.zeros(n, bool), np.zeros(n, bool))  # one step
+    tables = np.broadcast_to(row, (n, b, m)) if m else None
+    host = state_lib.decode_host(1, np.zeros(n, bool), np.zeros(n, bool), tables)  # one step
     jax.block_until_ready(self._compiled["decode"](rest, experts, st, self.put_host(host, e2s)))
     idx = jax.device_put(np.zeros((n,), np.int32), self.worker_sharding)
-    full = {"experts": self.abstract_experts, "rows": self.abstract_state.as_dict()}
+    full = {"experts": self.abstract_experts, "rows": self.abstract_state.row_dict()}
     for group, tree in full.items():
       t = jax.tree.map(zeros, tree)
       taken = self._compiled[f"extract_{group}"](t, idx)
@@ -155,6 +176,7 @@ class StepCache:
     self._sets: dict[int, StepSet] = {}
     self._slot_movers: dict = {}  # device -> movers.SlotMovers (expert slots)
     self._row_movers: dict = {}  # device -> movers.RowMovers (sequence rows)
+    self._page_movers: dict = {}  # device -> movers.PageMovers (paged KV)
     self._movers_lock = threading.Lock()
     # size -> (devices needing slot movers, devices needing row movers) after that size's
     # StepSet; None: every device of the chain at the first smaller size (no plan given)
@@ -190,6 +212,8 @@ class StepCache:
       else:
         slot_devs, row_devs = self._mover_plan.get(n, (set(), set()))
       self.row_movers(row_devs)
+      if self.spec.paged:
+        self.page_movers(row_devs)
       self.slot_movers(slot_devs)
     self.compile_log.append((n, t0, time.perf_counter()))
     return ss
@@ -208,9 +232,16 @@ class StepCache:
     """{device: movers.RowMovers}, compiled for `devices` (default: the chain's) if missing;
     returns every device's compiled so far."""
     b = self.spec.slots_per_worker
-    shard = state_lib.state_shapes(self.spec, 1).as_dict()  # one worker's sequence rows
+    shard = state_lib.state_shapes(self.spec, 1).row_dict()  # one worker's sequence rows
     devs = [self.devices[w] for w in self.chain] if devices is None else devices
     return self._movers(self._row_movers, devs, lambda d: movers.RowMovers(shard, d, b))
+
+  def page_movers(self, devices=None) -> dict:
+    """{device: movers.PageMovers} (paged KV), as row_movers."""
+    shard = state_lib.state_shapes(self.spec, 1).page_dict()  # one worker's pool
+    devs = [self.devices[w] for w in self.chain] if devices is None else devices
+    return self._movers(self._page_movers, devs,
+                        lambda d: movers.PageMovers(shard, d, self.spec.pages_per_seq))
 
   def slot_movers(self, devices=None) -> dict:
     """{device: movers.SlotMovers}, as row_movers."""
@@ -224,7 +255,8 @@ class StepCache:
     """Are the single-device sequence movers of `devices` (default: the chain's) compiled?"""
     devs = [self.devices[w] for w in self.chain] if devices is None else devices
     with self._movers_lock:
-      return all(d in self._row_movers for d in devs)
+      return all(d in self._row_movers and (not self.spec.paged or d in self._page_movers)
+                 for d in devs)
 
   def slot_movers_ready(self, devices) -> bool:
     with self._movers_lock:

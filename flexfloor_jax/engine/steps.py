@@ -1,5 +1,6 @@
 """The per-worker bodies of the prefill step and the decode dispatch, run inside `shard_map` over
-the `ep` mesh (step_set.py compiles them per mesh)."""
+the `ep` mesh (step_set.py compiles them per mesh). With paged KV (spec.kv == 'paged') the KV goes
+through the page tables of the host inputs (model/paged.py); everything else is the same."""
 
 from __future__ import annotations
 
@@ -9,16 +10,21 @@ import jax.numpy as jnp
 from flexfloor_jax.engine.spec import EngineSpec, merge_params
 from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill
 from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.paged import decode_paged, insert_paged
 from flexfloor_jax.model.moe import ep_moe
 from flexfloor_jax.policy.controller import worker_stops
 from flexfloor_jax.sampling import sample, sample_one, sequence_key
 
 
-def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC):
-  """At most one prompt per worker into its decode slot (slot -1: none), and its first token.
+def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC,
+                  width: int = 0):
+  """At most one prompt per worker into its decode slot (slot -1: none), and its first token;
+  a resumed sequence (`generated` g > 0: its tokens are prompt + the g it had made) recomputes
+  its KV and makes token g. `width`: token columns (default max_prompt_len).
   Returns (state, expert counts [E])."""
   cfg = spec.cfg
-  tokens_PT, c, e2s = read_prefill(host_PC, spec.max_prompt_len, cfg.num_experts)
+  tokens_PT, c, e2s, table_PM = read_prefill(host_PC, width or spec.max_prompt_len,
+                                             cfg.num_experts, spec.pages_per_seq)
   slot_P, eos_P, limit_P = c["slot"], c["stop_eos"] != 0, c["limit"]
   seed, epoch = c["seed"][0], c["epoch"][0]
   ep = spec.ep(n, spec.prefill_tile_m)
@@ -27,16 +33,22 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
   lengths = jnp.where(active, c["length"], 0)
   logits, k, v, aux = tfm.prefill(merge_params(rest, experts), cfg, tokens_PT, lengths,
                                   moe_fn=moe_fn)
-  cache = tfm.insert(st.cache, k, v, slot_P)
+  if spec.paged:
+    pool = insert_paged(st.paged, k, v, table_PM, lengths)
+    kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
+  else:
+    cache = tfm.insert(st.cache, k, v, slot_P)
+    kv = dict(k=cache.k, v=cache.v)
+  gen_P = c["generated"]
   keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, c["phash"], c["sample"])
-  tok, lp = jax.vmap(lambda l, kd: sample_one(l, kd, jnp.int32(0), spec.sampling))(logits, keys)
+  tok, lp = jax.vmap(lambda l, kd, g: sample_one(l, kd, g, spec.sampling))(logits, keys, gen_P)
   sc = st.slot_scalars()
   b = sc.tokens.shape[0]
   idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
-  done = (limit_P <= 1) | (eos_P & (tok == cfg.eos_id))
+  done = (limit_P <= gen_P + 1) | (eos_P & (tok == cfg.eos_id))
   upd = lambda a, val: a.at[idx].set(val, mode="drop")
   sc = sc.replace(tokens=upd(sc.tokens, tok), positions=upd(sc.positions, lengths),
-                  live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, jnp.ones_like(tok)),
+                  live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, gen_P + 1),
                   limit=upd(sc.limit, limit_P), stop_eos=upd(sc.stop_eos, eos_P),
                   key=upd(sc.key, keys))
   routes = st.routes
@@ -44,9 +56,9 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
     p, t = tokens_PT.shape
     r = jnp.transpose(aux["experts"].reshape(cfg.num_layers, p, t, -1), (1, 2, 0, 3))
     routes = routes.at[idx, :t].set(r, mode="drop")
-  st = st.replace(k=cache.k, v=cache.v, scalars=sc.pack(),
-                  out_tokens=st.out_tokens.at[idx, 0].set(tok, mode="drop"),
-                  out_logprobs=st.out_logprobs.at[idx, 0].set(lp, mode="drop"), routes=routes)
+  st = st.replace(**kv, scalars=sc.pack(),
+                  out_tokens=st.out_tokens.at[idx, gen_P].set(tok, mode="drop"),
+                  out_logprobs=st.out_logprobs.at[idx, gen_P].set(lp, mode="drop"), routes=routes)
   return st, aux["expert_counts"].sum(0)
 
 
@@ -56,29 +68,35 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   or nothing is live (policy.controller.worker_stops, the rule the host applies too).
   Returns (state, steps run, expert counts [E])."""
   cfg = spec.cfg
-  h, e2s = read_decode(host_PC, cfg.num_experts)
+  b = st.out_tokens.shape[0]
+  h, e2s, table_BM = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq)
   max_steps, stop_on_refill, stop_on_idle = (h["max_steps"], h["stop_on_refill"] != 0,
                                              h["stop_on_idle"] != 0)
   ep = spec.ep(n, spec.decode_tile_m)
   axis = ep.axis
   params = merge_params(rest, experts)
   moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
-  b = st.out_tokens.shape[0]
   rows = jnp.arange(b)
   max_new = spec.max_new_tokens
 
   def step(carry):
     st, sc, i, _, counts = carry
     live = sc.live
-    logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
-                                    moe_fn=moe_fn)
+    if spec.paged:
+      logits, pool, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens, sc.positions,
+                                       live, moe_fn=moe_fn)
+      kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
+    else:
+      logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
+                                      moe_fn=moe_fn)
+      kv = dict(k=cache.k, v=cache.v)
     tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling)
     col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
     routes = st.routes
     if routes is not None:  # the fed token's experts at its position: aux [L, B, K] -> [B, L, K]
       pos = jnp.where(live, sc.positions, spec.max_seq_len)
       routes = routes.at[rows, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)), mode="drop")
-    st = st.replace(k=cache.k, v=cache.v,
+    st = st.replace(**kv,
                     out_tokens=st.out_tokens.at[rows, col].set(tok, mode="drop"),
                     out_logprobs=st.out_logprobs.at[rows, col].set(lp, mode="drop"),
                     routes=routes)
