@@ -75,9 +75,24 @@ def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_toke
 
 
 def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> FloorTerms:
+  """The floor's terms of a config; rollout.kv='paged': KV = the page pool + the state of its
+  max_seqs rows, and a sequence row in flight = a full sequence's pages + its state."""
   r = config.rollout
-  return floor_terms(model_cfg, r.slots_per_worker, max_seq_len or config.model.max_seq_len,
-                     r.max_new_tokens, r.record_routes)
+  seq = max_seq_len or config.model.max_seq_len
+  t = floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)
+  if getattr(r, "kv", "slots") != "paged":
+    return t
+  from flexfloor_jax import engine as engine_lib
+  from flexfloor_jax import kv_pool
+  from flexfloor_jax.policy.pages import pages_for
+  per_token = (t.kv - engine_lib.state_bytes_per_worker(
+      model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)) // (
+          r.slots_per_worker * seq)
+  state = engine_lib.state_bytes_per_worker(model_cfg, r.max_seqs, seq, r.max_new_tokens,
+                                            r.record_routes)
+  pool = kv_pool.pages_per_worker(r, seq) * r.page_size * per_token
+  row = pages_for(seq, r.page_size) * r.page_size * per_token + state // r.max_seqs
+  return dataclasses.replace(t, kv=pool + state, workspace=2 * t.expert + 2 * row)
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax import settings
+from flexfloor_jax import kv_pool, settings
 from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.controller import Seq
@@ -67,6 +67,7 @@ class Prepared:
   steps_per_dispatch: int
   flex: bool  # schedule 'flexfloor': the group shrinks as workers finish
   release_sizes: list[int]  # the smaller meshes a release may leave, largest first
+  kv_pool: Any = None  # rollout.kv='paged': the host's page pool (policy.pages.PagePool)
 
   @property
   def num_workers(self) -> int:
@@ -132,6 +133,8 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
             history: Optional[LengthHistory] = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
+  import jax
+
   from flexfloor_jax import memory
   from flexfloor_jax import mesh as mesh_lib
   from flexfloor_jax.tokenizer import load_tokenizer
@@ -155,9 +158,15 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
     except ValueError as err:  # more workers asked for than there are devices
       raise RolloutError(str(err)) from None
   devices = list(devices)
-  n, b, e = len(devices), r.slots_per_worker, model_cfg.num_experts
+  # b: sequences a worker runs at once (paged KV: the pool's rows)
+  n, b, e = len(devices), r.lanes, model_cfg.num_experts
   # the floor's terms from the shapes the engine allocates (flexfloor_jax/memory.py)
-  terms = memory.terms_for_config(config, model_cfg, seq_len)
+  try:
+    terms = memory.terms_for_config(config, model_cfg, seq_len)
+    kv_pool.check_supported(config, jax.process_count())
+  except kv_pool.KVPoolError as err:
+    raise RolloutError(str(err)) from None
+  paged = r.kv == "paged"
   try:
     floor = terms.floor(e, memory_budget_bytes(config, devices), n)
   except FloorError as err:
@@ -172,7 +181,7 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
       placement=config.scheduler.placement, compaction=config.scheduler.compaction,
       epoch=r.epoch, sizes=allowed, makespan_slack=config.scheduler.makespan_slack,
-      step_cost=step_cost)
+      step_cost=step_cost, kv=kv_pool.pool_factory(r, n, seq_len) if paged else None)
   placement = ExpertPlacement.initial(e, chain, slots, num_workers=n)
   return Prepared(model_cfg=model_cfg, tokenizer=tokenizer, prompts=prompts, seqs=seqs, mode=mode,
                   seq_len=seq_len, history=history, history_path=history_file(config),
@@ -180,6 +189,7 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
                   step_cost=step_cost, queues=queues, policy=policy, pred_by_seq=pred_by_seq,
                   placement=placement, chain=chain, steps_per_dispatch=r.steps_per_dispatch,
                   flex=flex,
+                  kv_pool=kv_pool.make_pool(r, n, seq_len, pred_by_seq) if paged else None,
                   release_sizes=sorted((m for m in (allowed or range(floor, n)) if m < n),
                                        reverse=True) if flex else [])
 
@@ -193,12 +203,14 @@ def engine_spec(config: settings.Settings, prep: Prepared):
   moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend,
                                                 prep.devices[0].platform)
   return engine_lib.EngineSpec(
-      cfg=prep.model_cfg, slots_per_worker=r.slots_per_worker, expert_slots=prep.expert_slots,
+      cfg=prep.model_cfg, slots_per_worker=r.lanes, expert_slots=prep.expert_slots,
       max_seq_len=prep.seq_len, max_prompt_len=r.max_prompt_len,
       max_new_tokens=r.max_new_tokens, exchange=config.model.exchange,
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
-      moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes)
+      moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes, kv=r.kv,
+      page_size=r.page_size,
+      num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0)
 
 
 def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
@@ -224,7 +236,7 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
   sizes = prep.release_sizes
   cplan = compile_plan.plan_compiles(
       prep.seqs, prep.queues, prep.policy, prep.pred_by_seq, num_workers=n,
-      slots_per_worker=r.slots_per_worker, steps_per_dispatch=r.steps_per_dispatch,
+      slots_per_worker=r.lanes, steps_per_dispatch=r.steps_per_dispatch,
       candidates=sizes, placement=prep.placement, chain=prep.chain,
       has_history=len(prep.history) > 0) if prep.flex else None
   # wait_plan_compiles (the default): only the sizes the plan expects are compiled, and waited
@@ -293,8 +305,10 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
                 if q.seq_id in eng.outputs}
         on_release([prep.devices[w] for w in workers], done)
 
+    if prep.kv_pool is not None:
+      eng.attach_pages(prep.kv_pool)
     record = controller.run(prep.seqs, prep.queues, _ProgressExecutor(eng, bar, released), policy,
-                            steps_per_dispatch=prep.steps_per_dispatch)
+                            steps_per_dispatch=prep.steps_per_dispatch, kv=prep.kv_pool)
     if isinstance(policy, ReadyFloor):
       policy.finish(record.timeline)
   finally:
@@ -346,6 +360,10 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            if cplan else None,
            **held_summary(policy))
   warn_held(m)
+  if prep.kv_pool is not None:
+    prep.kv_pool.check()  # every page back in the pool
+    m.update(kv_pool.summary(prep.kv_pool, sum(
+        a.nbytes for a in eng.state.page_dict().values()) // len(eng.active)))
   if eng.release_latencies and "decode_step_median_s" in m:
     m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
         m["decode_step_median_s"], 1e-9)

@@ -1,0 +1,156 @@
+"""The engine on a paged KV pool (rollout.kv='paged'): the same tokens as the fixed-slot cache,
+the same responses whatever the schedule (releases and migrations move pages), preemption by
+recompute that changes no token, and every page back in the pool after a run."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import engine_utils
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax import runner
+from flexfloor_jax.engine import state as state_lib
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import PRESETS
+
+MODEL = PRESETS["tiny"].replace(num_layers=2)  # tests/test_elastic.py's model: shared compiles
+
+
+@pytest.fixture(scope="module")
+def params():
+  return tfm.init_params(MODEL, jax.random.key(3), scale=0.1)
+
+
+def run(c, params, tmp_path, name):
+  c.rollout.output_dir = str(tmp_path / name)
+  return runner.run(c, params=params, model_cfg=MODEL, write_outputs=False, progress=False)
+
+
+def by_key(res):
+  return {(r["prompt_id"], r["sample"]): r for r in res.responses}
+
+
+def test_host_layouts_carry_page_tables():
+  """The page tables travel as columns of the step's host array, and read back as written."""
+  m, b, e = 3, 2, 4
+  q = engine_lib.SeqInput(tokens=np.array([5, 6, 7], np.int32), limit=9, stop_eos=True, phash=11,
+                          sample=1)
+  host = state_lib.prefill_host(8, 2, 0, 1, [(1, 0, q, 2, np.array([4, 0, 9]))], m)
+  full = state_lib.with_expert_table(host, np.arange(e))
+  assert full.shape[1] == state_lib.host_width("prefill", 8, e, m)
+  tokens, cols, e2s, table = state_lib.read_prefill(full, 8, e, m)
+  assert table.tolist() == [[0, 0, 0], [4, 0, 9]] and e2s.tolist() == [0, 1, 2, 3]
+  assert cols["generated"].tolist() == [0, 2] and cols["slot"].tolist() == [-1, 0]
+  assert tokens[1, :3].tolist() == [5, 6, 7] and cols["length"].tolist() == [0, 3]
+  tables = np.arange(2 * b * m).reshape(2, b, m)
+  full = state_lib.with_expert_table(
+      state_lib.decode_host(4, np.ones(2, bool), np.zeros(2, bool), tables), np.arange(e))
+  assert full.shape[1] == state_lib.host_width("decode", 8, e, b * m)
+  for p in range(2):  # inside a step each worker sees its own row
+    h, _, t = state_lib.read_decode(full[p:p + 1], e, b, m)
+    assert t.tolist() == tables[p].tolist() and int(h["max_steps"]) == 4
+
+
+def greedy_config():
+  c = engine_utils.rollout_config()
+  c.schedule = "static"
+  c.sampling.temperature = 0.0
+  c.rollout.lengths = "model"
+  return c
+
+
+@pytest.fixture(scope="module")
+def greedy_slots(params, tmp_path_factory):
+  """The unconstrained reference: the fixed-slot cache, greedy."""
+  return run(greedy_config(), params, tmp_path_factory.mktemp("slots"), "slots")
+
+
+def assert_same_responses(ref, other, exact: bool):
+  a, b = by_key(ref), by_key(other)
+  assert a.keys() == b.keys()
+  for k in a:
+    assert a[k]["tokens"] == b[k]["tokens"], k
+    assert a[k]["finish_reason"] == b[k]["finish_reason"], k
+    if exact:
+      assert a[k]["logprobs"] == b[k]["logprobs"], k
+    else:
+      np.testing.assert_allclose(b[k]["logprobs"], a[k]["logprobs"], rtol=0, atol=1e-5)
+
+
+def assert_pool_conserved(s):
+  """Every page handed out came back, and no worker ever held more than its pool."""
+  assert s["kv_pages_allocated"] == s["kv_pages_freed"] > 0
+  assert 0 < s["kv_peak_pages"] <= s["kv_pages"]
+  assert max(s["kv_peak_pages_per_worker"]) == s["kv_peak_pages"]
+
+
+def test_paged_tokens_equal_fixed_slots(params, greedy_slots, tmp_path):
+  c = greedy_config()
+  c.rollout.kv = "paged"
+  paged = run(c, params, tmp_path, "paged")
+  assert_same_responses(greedy_slots, paged, exact=False)
+  s = paged.summary
+  assert s["kv"] == "paged" and s["preemptions"] == 0
+  # the default pool has the fixed-slot cache's KV bytes: 2 slots x 96 tokens = 12 pages of 16
+  assert s["kv_pages"] == 12 and s["max_seqs_per_worker"] == 4
+  per_token = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 4  # K and V, fp32
+  assert s["kv_pool_bytes"] == 12 * 16 * per_token
+  assert_pool_conserved(s)
+
+
+def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_path):
+  """A pool of 6 pages (one longest sequence) per worker for 2 sequences of ~3 pages each:
+  the youngest are preempted, recomputed by a prefill of prompt + their tokens, and finish
+  with the unconstrained run's tokens."""
+  c = greedy_config()
+  c.rollout.kv = "paged"
+  c.rollout.kv_pages = 6
+  small = run(c, params, tmp_path, "small")
+  s = small.summary
+  assert s["preemptions"] > 0
+  assert s["kv_peak_pages"] <= 6
+  assert_same_responses(greedy_slots, small, exact=False)
+  assert all(len(r["tokens"]) == len(r["logprobs"]) == r["num_tokens"] for r in small.responses)
+  assert_pool_conserved(s)
+
+
+def long_tailed_lengths(c, path):
+  """One straggler at the cap, the rest short: the group shrinks to the floor and live
+  sequences migrate (test_elastic.py's workload)."""
+  rng = np.random.default_rng(7)
+  with open(path, "w") as f:
+    for i in range(c.rollout.num_prompts):
+      base = rng.integers(3, c.rollout.max_new_tokens // 2)
+      for j in range(c.rollout.samples_per_prompt):
+        n = int(np.clip(base + rng.integers(-2, 3), 1, c.rollout.max_new_tokens))
+        if i == 0 and j == 0:
+          n = c.rollout.max_new_tokens
+        f.write(json.dumps({"id": f"builtin-{i}", "sample": j, "length": n}) + "\n")
+  return str(path)
+
+
+def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path):
+  """Paged KV, sampled: static and flexfloor (releases down to the floor, live sequences
+  migrated page by page) give the same tokens and log-probs, bit for bit."""
+  c = engine_utils.rollout_config()
+  c.rollout.kv = "paged"
+  c.scheduler.release_sizes = "pow2"
+  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.schedule = "static"
+  static = run(c, params, tmp_path, "static")
+  c.schedule = "flexfloor"
+  flex = run(c, params, tmp_path, "flex")
+  assert_same_responses(static, flex, exact=True)
+  a, b = by_key(static), by_key(flex)
+  assert sum(a[k]["worker"] != b[k]["worker"] for k in a) > 0
+  releases = [r for r in flex.timeline.releases if not r.get("final")]
+  assert releases and flex.summary["device_steps"] < static.summary["device_steps"]
+  moved = [m for m in flex.timeline.migrations if m["moves"]]
+  assert moved, "no live sequence migrated: the page movers went untested"
+  page_bytes = 2 * MODEL.num_layers * MODEL.num_kv_heads * MODEL.head_dim * 16 * 4
+  assert all(m["kv_bytes"] > 0 and m["kv_bytes"] % page_bytes == 0 for m in moved)
+  for s in (static.summary, flex.summary):
+    assert s["preemptions"] == 0
+    assert_pool_conserved(s)
