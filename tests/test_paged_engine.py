@@ -14,6 +14,10 @@ from flexfloor_jax import runner
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.pages import PagePool
+from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.sampling import SamplingParams
 
 MODEL = PRESETS["tiny"].replace(num_layers=2)  # tests/test_elastic.py's model: shared compiles
 
@@ -154,3 +158,51 @@ def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path)
   for s in (static.summary, flex.summary):
     assert s["preemptions"] == 0
     assert_pool_conserved(s)
+
+
+def test_migration_moves_the_live_pages_into_the_pools_ids(params):
+  """Engine level, 2 workers: a sequence decodes on worker 0, its table grows once more than the
+  device has seen (growth before a dispatch that a migration pre-empts), then PagePool.move puts
+  it on worker 1 at other page ids (some of worker 1's pages are taken), and it finishes there
+  with the tokens and log-probs of a run that never moved, bit for bit."""
+  spec = engine_lib.EngineSpec(
+      cfg=MODEL, slots_per_worker=2, expert_slots=4, max_seq_len=48, max_prompt_len=16,
+      max_new_tokens=24, sampling=SamplingParams(temperature=0.0), kv="paged", page_size=8,
+      num_pages=12)
+  prompt = np.arange(3, 14, dtype=np.int32)
+  q = Seq(0, "p", 0, len(prompt), None, 20)
+  seq = engine_lib.SeqInput(tokens=prompt, limit=20, stop_eos=False, phash=1, sample=0)
+  idle = np.zeros(2, bool)
+
+  def rollout(move_after: int):
+    placement = ExpertPlacement.initial(MODEL.num_experts, [0, 1], 4, num_workers=2)
+    eng = engine_lib.Engine(spec, params, jax.devices()[:2], [0, 1], placement, seed=1)
+    eng.add_sequences({0: seq})
+    pool = PagePool(2, 12, 8, 2, spec.pages_per_seq, margin=0.0)
+    eng.attach_pages(pool)
+    pool.allocate(1, 0, Seq(9, "x", 0, 20, None, 4), 20)  # 3 pages of worker 1 taken
+    at, g, dispatches = (0, 0), 1, 0
+    pool.allocate(0, 0, q, len(prompt) + 1)
+    assert eng.prefill([(0, 0, 0)]) == []
+    while True:
+      sent = pool.owned(*at)  # pages of the table the device last got
+      pool.grow({at: g, (1, 0): 0}, 4)  # (1, 0): the placeholder row, never dispatched
+      if dispatches == move_after and at == (0, 0):
+        assert pool.owned(0, 0) > sent  # a page the device has not written moves too
+        src = pool.table(0)[0].copy()
+        assert pool.move([(0, 0, 1, 1)]) == [True]
+        dst = pool.table(1)[1]
+        assert set(dst[dst < 12]).isdisjoint({0, 1, 2}) and (dst != src).any()
+        assert eng.migrate([(0, 0, 1, 1)]) > 0
+        at = (1, 1)
+        continue
+      k, fins = eng.decode(4, idle, idle)
+      dispatches, g = dispatches + 1, g + k
+      if fins:
+        pool.free(*at)
+        return eng.outputs[0]
+
+  ref, moved = rollout(move_after=-1), rollout(move_after=1)
+  assert (moved.worker, moved.slot) == (1, 1) and (ref.worker, ref.slot) == (0, 0)
+  assert moved.tokens == ref.tokens and moved.logprobs == ref.logprobs
+  assert len(ref.tokens) == 20

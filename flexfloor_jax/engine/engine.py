@@ -269,14 +269,17 @@ class Engine:
       return 0
     self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
     page_moves = None
-    if self.spec.paged:  # the pool has moved them already: sources from the tables last sent
+    if self.spec.paged:
+      # The pool has moved the rows already. The data is in the pages of the tables the device
+      # last got (a table only grows at its end: pages taken since hold nothing yet), and goes
+      # to the first as many pages of the destination's new table.
       page_moves, m = [], self.pages.num_pages
       for sw, ss, dw, ds in moves:
-        n = self.pages.owned(dw, ds)
-        src, dst = self._tables[sw, ss, :n], self.pages.table(dw)[ds, :n]
-        if (src >= m).any() or (dst >= m).any():
-          raise RuntimeError(f"migration {(sw, ss, dw, ds)}: pages {src.tolist()} -> "
-                             f"{dst.tolist()} do not match the page tables")
+        src = self._tables[sw, ss][self._tables[sw, ss] < m]
+        dst = self.pages.table(dw)[ds, :len(src)]
+        if len(src) > self.pages.owned(dw, ds):
+          raise RuntimeError(f"migration {(sw, ss, dw, ds)}: {len(src)} pages with data, "
+                             f"{self.pages.owned(dw, ds)} at the destination")
         page_moves.append((src, dst))
     self.state, kv_bytes = elastic.migrate(self.steps, self.devices, self.active, self.state,
                                            moves, page_moves)
