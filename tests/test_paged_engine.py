@@ -10,7 +10,7 @@ import pytest
 
 import engine_utils
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import runner
+from flexfloor_jax import kv_pool, runner, settings
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
@@ -55,6 +55,26 @@ def test_host_layouts_carry_page_tables():
   for p in range(2):  # inside a step each worker sees its own row
     h, _, t = state_lib.read_decode(full[p:p + 1], e, b, m)
     assert t.tolist() == tables[p].tolist() and int(h["max_steps"]) == 4
+
+
+def test_pool_size_from_the_config():
+  """kv_pages 0 = the fixed-slot cache's bytes; a pool must hold one longest sequence; paged
+  migration stays on one process."""
+  c = engine_utils.rollout_config()
+  c.rollout.kv = "paged"
+  r = settings.load(c).rollout
+  assert (kv_pool.pages_per_worker(r, 96), r.max_seqs, r.lanes) == (12, 4, 4)
+  pool = kv_pool.make_pool(r, 8, 96)
+  assert (pool.num_pages, pool.max_pages_per_seq, pool.max_seqs) == (12, 6, 4)
+  c.rollout.kv_pages = 5
+  with pytest.raises(settings.ConfigError, match="^rollout.kv_pages=5 .*max_seq_len=96"):
+    settings.load(c)
+  c.model.max_seq_len = 0  # the runner's length: the pool is checked there
+  with pytest.raises(kv_pool.KVPoolError, match="^rollout.kv_pages: .*96"):
+    kv_pool.pages_per_worker(settings.load(c).rollout, 96)
+  kv_pool.check_supported(settings.load(c), 1)
+  with pytest.raises(kv_pool.KVPoolError, match="^rollout.kv: .*processes"):
+    kv_pool.check_supported(settings.load(c), 2)
 
 
 def greedy_config():
