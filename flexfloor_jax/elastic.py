@@ -219,9 +219,10 @@ def migrate(steps, devices: Sequence, active: Sequence[int], state, moves,
 def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   """Paged KV: a migrated sequence's row (scalars, outputs) by the RowMovers and its live pages
   by the PageMovers: taken on the source at the source page ids, written on the destination at
-  the destination page ids (what the host's page pool chose). Every page is taken before any is
-  written: the pool hands a destination the pages other moves' sources just gave back. Movers
-  the plan did not compile are compiled here. Returns (new state, KV bytes sent)."""
+  the destination page ids (what the host's page pool chose). In rounds (move_rounds) when no
+  device is both a source and a destination; else every page is taken before any is written, as
+  the pool may hand a destination the pages another move's source just gave back. Movers the
+  plan did not compile are compiled here. Returns (new state, KV bytes sent)."""
   if jax.process_count() > 1:
     raise NotImplementedError("paged KV: migration across processes is not implemented")
   touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
@@ -231,14 +232,21 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   pools = state.page_dict()
   shards = {k: shards_by_device(a) for k, a in pools.items()}
   on = lambda d: {k: b[d] for k, b in shards.items()}
-  taken = [pm[devices[sw]].take(on(devices[sw]), pm[devices[sw]].ids(src))
-           for (sw, _, _, _), (src, _) in zip(moves, page_moves)]
-  sent = jax.device_put(taken, [devices[dw] for _, _, dw, _ in moves])
-  del taken
-  for (_, _, dw, _), (_, dst), pages in zip(moves, page_moves, sent):
-    d = devices[dw]
-    for k, b in pm[d].put(on(d), pages, pm[d].ids(dst)).items():
-      shards[k][d] = b
+  if {m[0] for m in moves} & {m[2] for m in moves}:
+    batches = [list(range(len(moves)))]
+  else:
+    batches = [[i for _, i, _, _ in rnd] for rnd in
+               move_rounds([(sw, i, dw, i) for i, (sw, _, dw, _) in enumerate(moves)])]
+  for batch in batches:
+    taken = [pm[devices[moves[i][0]]].take(on(devices[moves[i][0]]),
+                                           pm[devices[moves[i][0]]].ids(page_moves[i][0]))
+             for i in batch]
+    sent = jax.device_put(taken, [devices[moves[i][2]] for i in batch])
+    del taken
+    for i, pages in zip(batch, sent):
+      d = devices[moves[i][2]]
+      for k, b in pm[d].put(on(d), pages, pm[d].ids(page_moves[i][1])).items():
+        shards[k][d] = b
   pools = {k: assemble(shards[k], a.sharding, a.shape, a.dtype) for k, a in pools.items()}
   page_bytes = sum(a.nbytes // a.shape[2] for a in pools.values())
   return state.replace(**rows, **pools), int(page_bytes * sum(len(s) for s, _ in page_moves))

@@ -180,49 +180,84 @@ def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path)
     assert_pool_conserved(s)
 
 
-def test_migration_moves_the_live_pages_into_the_pools_ids(params):
-  """Engine level, 2 workers: a sequence decodes on worker 0, its table grows once more than the
-  device has seen (growth before a dispatch that a migration pre-empts), then PagePool.move puts
-  it on worker 1 at other page ids (some of worker 1's pages are taken), and it finishes there
-  with the tokens and log-probs of a run that never moved, bit for bit."""
-  spec = engine_lib.EngineSpec(
-      cfg=MODEL, slots_per_worker=2, expert_slots=4, max_seq_len=48, max_prompt_len=16,
-      max_new_tokens=24, sampling=SamplingParams(temperature=0.0), kv="paged", page_size=8,
-      num_pages=12)
-  prompt = np.arange(3, 14, dtype=np.int32)
-  q = Seq(0, "p", 0, len(prompt), None, 20)
-  seq = engine_lib.SeqInput(tokens=prompt, limit=20, stop_eos=False, phash=1, sample=0)
+SPEC2 = engine_lib.EngineSpec(  # engine-level tests: 2 workers, 3 rows of up to 6 pages of 8
+    cfg=MODEL, slots_per_worker=3, expert_slots=4, max_seq_len=48, max_prompt_len=16,
+    max_new_tokens=24, sampling=SamplingParams(temperature=0.0), kv="paged", page_size=8,
+    num_pages=12)
+
+
+def drive(params, prompts, rows, moves_at, placeholder=False, grown=False):
+  """Greedy decode of `prompts` (seq id -> prompt; 20 tokens each) prefilled into `rows` (seq
+  id -> (worker, row)) on SPEC2's 2 workers, dispatches of 4 steps; before dispatch i (after
+  its growth) the migrations moves_at[i] run (PagePool.move, then Engine.migrate).
+  placeholder: a row of worker 1 holds 3 pages and is never dispatched; grown: check that a
+  migration carries a page the device has not written yet. Returns the outputs and the pool."""
+  placement = ExpertPlacement.initial(MODEL.num_experts, [0, 1], 4, num_workers=2)
+  eng = engine_lib.Engine(SPEC2, params, jax.devices()[:2], [0, 1], placement, seed=1)
+  eng.add_sequences({sid: engine_lib.SeqInput(tokens=p, limit=20, stop_eos=False, phash=sid,
+                                              sample=0) for sid, p in prompts.items()})
+  pool = PagePool(2, 12, 8, 3, SPEC2.pages_per_seq, margin=0.0)
+  eng.attach_pages(pool)
+  seqs = {sid: Seq(sid, "p", 0, len(p), None, 20) for sid, p in prompts.items()}
+  gen = {}
+  if placeholder:
+    pool.allocate(1, 0, Seq(99, "x", 0, 20, None, 4), 20)
+    gen[(1, 0)] = 0
+  where = dict(rows)
+  for sid, (w, r) in where.items():
+    pool.allocate(w, r, seqs[sid], len(prompts[sid]) + 1)
+    assert eng.prefill([(w, r, sid)]) == []
+    gen[(w, r)] = 1
   idle = np.zeros(2, bool)
+  for i in range(100):
+    sent = {at: pool.owned(*at) for at in gen}  # pages of the tables the device last got
+    pool.grow(gen, 4)
+    moves = moves_at.get(i, [])
+    if moves and grown:
+      assert any(pool.owned(sw, ss) > sent[(sw, ss)] for sw, ss, _, _ in moves), \
+          "no page the device has not written moves: the case is not covered"
+    if moves:
+      assert pool.move(moves) == [True] * len(moves)
+      assert eng.migrate(moves) > 0
+      for sw, ss, dw, ds in moves:
+        gen[(dw, ds)] = gen.pop((sw, ss))
+    k, fins = eng.decode(4, idle, idle)
+    for at in gen:
+      gen[at] += k
+    for f in fins:
+      pool.free(f.worker, f.slot)
+      del gen[(f.worker, f.slot)]
+    if len(eng.outputs) == len(prompts):
+      return eng.outputs, pool
+  raise AssertionError("did not finish")
 
-  def rollout(move_after: int):
-    placement = ExpertPlacement.initial(MODEL.num_experts, [0, 1], 4, num_workers=2)
-    eng = engine_lib.Engine(spec, params, jax.devices()[:2], [0, 1], placement, seed=1)
-    eng.add_sequences({0: seq})
-    pool = PagePool(2, 12, 8, 2, spec.pages_per_seq, margin=0.0)
-    eng.attach_pages(pool)
-    pool.allocate(1, 0, Seq(9, "x", 0, 20, None, 4), 20)  # 3 pages of worker 1 taken
-    at, g, dispatches = (0, 0), 1, 0
-    pool.allocate(0, 0, q, len(prompt) + 1)
-    assert eng.prefill([(0, 0, 0)]) == []
-    while True:
-      sent = pool.owned(*at)  # pages of the table the device last got
-      pool.grow({at: g, (1, 0): 0}, 4)  # (1, 0): the placeholder row, never dispatched
-      if dispatches == move_after and at == (0, 0):
-        assert pool.owned(0, 0) > sent  # a page the device has not written moves too
-        src = pool.table(0)[0].copy()
-        assert pool.move([(0, 0, 1, 1)]) == [True]
-        dst = pool.table(1)[1]
-        assert set(dst[dst < 12]).isdisjoint({0, 1, 2}) and (dst != src).any()
-        assert eng.migrate([(0, 0, 1, 1)]) > 0
-        at = (1, 1)
-        continue
-      k, fins = eng.decode(4, idle, idle)
-      dispatches, g = dispatches + 1, g + k
-      if fins:
-        pool.free(*at)
-        return eng.outputs[0]
 
-  ref, moved = rollout(move_after=-1), rollout(move_after=1)
-  assert (moved.worker, moved.slot) == (1, 1) and (ref.worker, ref.slot) == (0, 0)
-  assert moved.tokens == ref.tokens and moved.logprobs == ref.logprobs
-  assert len(ref.tokens) == 20
+def test_migration_moves_the_live_pages_into_the_pools_ids(params):
+  """Engine level: a sequence decodes on worker 0, its table grows once more than the device
+  has seen (growth before a dispatch that a migration comes before), then PagePool.move puts it
+  on worker 1 at other page ids (a placeholder holds worker 1's first pages), and it finishes
+  there with the tokens and log-probs of a run that never moved, bit for bit."""
+  prompts = {0: np.arange(3, 14, dtype=np.int32)}
+  ref, _ = drive(params, prompts, {0: (0, 0)}, {}, placeholder=True)
+  out, pool = drive(params, prompts, {0: (0, 0)}, {1: [(0, 0, 1, 1)]}, placeholder=True,
+                    grown=True)
+  assert (out[0].worker, out[0].slot) == (1, 1) and (ref[0].worker, ref[0].slot) == (0, 0)
+  assert out[0].tokens == ref[0].tokens and out[0].logprobs == ref[0].logprobs
+  assert len(ref[0].tokens) == 20
+
+
+def test_crossing_migrations_take_every_page_before_writing(params):
+  """Sequences cross between the workers in one migration: worker 1 sends two (C, then B) and
+  receives A, which the pool puts on the pages C just gave back. A device is a source twice, so
+  C goes in a later round than A's write: the page movers must read every page first."""
+  prompts = {0: np.arange(3, 14, dtype=np.int32), 1: np.arange(20, 29, dtype=np.int32),
+             2: np.arange(40, 52, dtype=np.int32)}
+  rows = {0: (0, 0), 2: (1, 0), 1: (1, 1)}  # A on worker 0; C (lowest pages), B on worker 1
+  ref, _ = drive(params, prompts, rows, {})
+  moves = [(1, 1, 0, 1), (0, 0, 1, 2), (1, 0, 0, 2)]
+  out, pool = drive(params, prompts, rows, {1: moves})
+  for sid in prompts:
+    assert out[sid].worker == 1 - ref[sid].worker
+    assert out[sid].tokens == ref[sid].tokens and out[sid].logprobs == ref[sid].logprobs
+  pool.check()
+  assert pool.allocated == pool.freed
