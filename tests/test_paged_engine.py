@@ -10,7 +10,7 @@ import pytest
 
 import engine_utils
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import kv_pool, runner, settings
+from flexfloor_jax import kv_pool, memory, runner, settings
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
@@ -66,6 +66,14 @@ def test_pool_size_from_the_config():
   assert (kv_pool.pages_per_worker(r, 96), r.max_seqs, r.lanes) == (12, 4, 4)
   pool = kv_pool.make_pool(r, 8, 96)
   assert (pool.num_pages, pool.max_pages_per_seq, pool.max_seqs) == (12, 6, 4)
+  # the floor counts the pool: the fixed-slot KV bytes, beside the state of 4 rows, not 2
+  paged = memory.terms_for_config(settings.load(c), MODEL, 96)
+  c.rollout.kv = "slots"
+  slots = memory.terms_for_config(settings.load(c), MODEL, 96)
+  c.rollout.kv = "paged"
+  state = lambda rows: engine_lib.state_bytes_per_worker(MODEL, rows, 96, 32)
+  assert paged.kv - state(4) == slots.kv - state(2) > 0
+  assert (paged.expert, paged.nonexpert) == (slots.expert, slots.nonexpert)
   c.rollout.kv_pages = 5
   with pytest.raises(settings.ConfigError, match="^rollout.kv_pages=5 .*max_seq_len=96"):
     settings.load(c)
