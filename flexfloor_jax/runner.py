@@ -18,7 +18,7 @@ import numpy as np
 
 from flexfloor_jax import kv_pool, settings
 from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
-from flexfloor_jax.policy.accounting import jsonable
+from flexfloor_jax.policy.accounting import decode_step_medians, jsonable, release_latency_ratios
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, release_sizes
 from flexfloor_jax.policy.history import LengthHistory
@@ -322,15 +322,7 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
   rollout to the length history (which the caller publishes)."""
   r, eng, cplan, seqs = config.rollout, built.engine, built.cplan, prep.seqs
   m = record.metrics()
-  # Decode seconds per step, by active-group size: emulated devices share the host's cores, so a
-  # step costs more on a bigger mesh.
-  by_size: dict[int, list[float]] = {}
-  for x in record.timeline.steps:
-    if x["kind"] == "decode" and x["num_steps"] > 0:
-      by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
-  per_step = [t for v in by_size.values() for t in v]
-  m["decode_step_median_s"] = float(np.median(per_step)) if per_step else 0.0
-  median_by_size = {k: float(np.median(v)) for k, v in by_size.items()}
+  m["decode_step_median_s"], median_by_size = decode_step_medians(record.timeline)
   predicted = np.array([prep.pred_by_seq[s.seq_id] for s in seqs])
   actual = np.array([record.finishes[s.seq_id].num_tokens for s in seqs], float)
   m["prediction"] = (prediction.prediction_quality(predicted, actual) if len(prep.history)
@@ -364,14 +356,8 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
     prep.kv_pool.check()  # every page back in the pool
     m.update(kv_pool.summary(prep.kv_pool, sum(
         a.nbytes for a in eng.state.page_dict().values()) // len(eng.active)))
-  if eng.release_latencies and "decode_step_median_s" in m:
-    m["release_latency_over_median_step"] = max(eng.release_latencies) / max(
-        m["decode_step_median_s"], 1e-9)
-    # also each release against the median decode step of the mesh it released onto
-    ratios = [lat / median_by_size[k] for lat, k in
-              zip(eng.release_latencies, eng.release_sizes) if k in by_size]
-    m["decode_step_median_s_by_size"] = {str(k): v for k, v in median_by_size.items()}
-    m["release_latency_over_step_on_new_mesh"] = ratios
+  m.update(release_latency_ratios(eng.release_latencies, eng.release_sizes,
+                                  m["decode_step_median_s"], median_by_size))
   responses = []
   for s in seqs:
     o = eng.outputs[s.seq_id]

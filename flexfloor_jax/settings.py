@@ -14,87 +14,16 @@ default here, and only here.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 import os
 from typing import Any, Callable, Optional
 
+from flexfloor_jax.config_reader import DTYPES, EXCHANGES, ConfigError, Reader  # noqa: F401
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS
 from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.tokenizer import ByteTokenizer
-
-
-class ConfigError(ValueError):
-  """A config field with a value no run can use; the message starts with the field's name."""
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-EXCHANGES = ("auto", "all_to_all", "ragged")  # moe.EXCHANGES and 'auto' (moe.py imports jax)
-_REQUIRED = object()
-
-
-def _choices(values) -> str:
-  values = [repr(v) for v in values]
-  return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
-
-
-class _Reader:
-  """Reads and checks the fields of one config section (prefix '': the top level)."""
-
-  def __init__(self, node, prefix: str, optional: bool = False):
-    if node is None and not optional:
-      raise ConfigError(f"{prefix}: section missing from the config")
-    self.node, self.prefix = node, prefix
-
-  def name(self, field: str) -> str:
-    return f"{self.prefix}.{field}" if self.prefix else field
-
-  def fail(self, field: str, what: str, v) -> None:
-    raise ConfigError(f"{self.name(field)}: must be {what}, got {v!r}")
-
-  def raw(self, field: str, default=_REQUIRED):
-    v = _REQUIRED if self.node is None else self.node.get(field, _REQUIRED)
-    if v is _REQUIRED:
-      if default is _REQUIRED:
-        raise ConfigError(f"{self.name(field)}: missing from the config")
-      return default
-    return v
-
-  def int(self, field: str, lo: int = 1, default=_REQUIRED, note: str = "") -> int:
-    v = self.raw(field, default)
-    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
-      self.fail(field, f"an integer >= {lo}{note}", v)
-    return int(v)
-
-  def num(self, field: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False,
-          hi_open: bool = False, default=_REQUIRED, note: str = "") -> float:
-    v = self.raw(field, default)
-    ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-          and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
-    if not ok:
-      iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
-      self.fail(field, f"a finite number in {iv}{note}", v)
-    return float(v)
-
-  def choice(self, field: str, choices, default=_REQUIRED, note: str = "") -> str:
-    v = self.raw(field, default)
-    if not isinstance(v, str) or v not in choices:
-      self.fail(field, f"one of {_choices(choices)}{note}", v)
-    return v
-
-  def flag(self, field: str, default=_REQUIRED) -> bool:
-    v = self.raw(field, default)
-    if not isinstance(v, bool):
-      self.fail(field, "true or false", v)
-    return v
-
-  def text(self, field: str, default=_REQUIRED, nonempty: bool = False) -> str:
-    v = self.raw(field, default)
-    if not isinstance(v, str) or (nonempty and not v):
-      self.fail(field, "a non-empty path" if nonempty else "a string", v)
-    return v
 
 
 # ----------------------------------------------------------------------------- shared sections
@@ -178,7 +107,7 @@ class SchedulerSettings:
 
 
 def _model(c) -> ModelSettings:
-  r = _Reader(c.get("model"), "model")
+  r = Reader(c.get("model"), "model")
   dtype = r.choice("dtype", DTYPES, note=" (JAX computes float64 as float32 unless "
                    "jax_enable_x64 is set: the run would not be what was asked)"
                    if r.raw("dtype") == "float64" else "")
@@ -193,7 +122,7 @@ def _model(c) -> ModelSettings:
 
 
 def _mesh(c) -> MeshSettings:
-  r = _Reader(c.get("mesh"), "mesh")
+  r = Reader(c.get("mesh"), "mesh")
   return MeshSettings(num_devices=r.int("num_devices", 0, note=" (0 = all devices)"),
                       device_memory_gb=r.num("device_memory_gb",
                                              note=" (0 = the device's own memory)"),
@@ -201,7 +130,7 @@ def _mesh(c) -> MeshSettings:
 
 
 def _rollout(c) -> RolloutSettings:
-  r = _Reader(c.get("rollout"), "rollout")
+  r = Reader(c.get("rollout"), "rollout")
   lengths = r.text("lengths")
   if lengths not in ("auto", "model", "workload") and not os.path.isfile(lengths):
     raise ConfigError(f"rollout.lengths: must be 'model', 'workload' or a lengths JSONL file; "
@@ -226,7 +155,7 @@ def _rollout(c) -> RolloutSettings:
 
 
 def _workload(c) -> WorkloadSettings:
-  r, d = _Reader(c.get("workload"), "workload", optional=True), WorkloadSettings()
+  r, d = Reader(c.get("workload"), "workload", optional=True), WorkloadSettings()
   return WorkloadSettings(sigma=r.num("sigma", default=d.sigma),
                           median=r.num("median", lo_open=True, default=d.median),
                           epoch_noise=r.num("epoch_noise", default=d.epoch_noise),
@@ -234,14 +163,14 @@ def _workload(c) -> WorkloadSettings:
 
 
 def _sampling(c) -> SamplingSettings:
-  r = _Reader(c.get("sampling"), "sampling")
+  r = Reader(c.get("sampling"), "sampling")
   return SamplingSettings(temperature=r.num("temperature", note=" (0 = greedy)"),
                           top_p=r.num("top_p", 0, 1, lo_open=True),
                           top_k=r.int("top_k", 0, note=" (0 = off)"), seed=r.int("seed", 0))
 
 
 def _scheduler(c) -> SchedulerSettings:
-  r = _Reader(c.get("scheduler"), "scheduler")
+  r = Reader(c.get("scheduler"), "scheduler")
   sizes = r.text("release_sizes", default="")
   try:
     parse_release_sizes(sizes)
@@ -309,14 +238,14 @@ class TrainSettings:
 
 def _bench(c, parts: dict) -> BenchSettings:
   from flexfloor_jax.sim.presets import HARDWARE
-  r = _Reader(c, "")
+  r = Reader(c, "")
   return BenchSettings(output_dir=r.text("output_dir", nonempty=True), epochs=r.int("epochs"),
                        repeats=r.int("repeats"), release_only=r.flag("release_only"),
                        roofline_hardware=r.choice("roofline_hardware", sorted(HARDWARE)))
 
 
 def _rl(c, parts: dict) -> RLSettings:
-  r = _Reader(c.get("rl"), "rl")
+  r = Reader(c.get("rl"), "rl")
   try:
     tasks = tuple(tasks_lib.parse_tasks(r.raw("tasks")))
     reward_fn = r.text("reward_fn")
@@ -335,7 +264,7 @@ def _rl(c, parts: dict) -> RLSettings:
 
 
 def _sft(c, parts: dict) -> SFTSettings:
-  r = _Reader(c.get("sft"), "sft")
+  r = Reader(c.get("sft"), "sft")
   s = SFTSettings(steps=r.int("steps"), batch_size=r.int("batch_size"), lr=r.num("lr"),
                   weight_decay=r.num("weight_decay"), seed=r.int("seed", 0),
                   num_prompts=r.int("num_prompts"),
@@ -356,7 +285,7 @@ def _sft(c, parts: dict) -> SFTSettings:
 
 
 def _train(c, parts: dict) -> TrainSettings:
-  r = _Reader(c, "")
+  r = Reader(c, "")
   if parts["rollout"].lengths != "model":
     raise ConfigError(f"rollout.lengths: must be 'model' for RL (responses end at EOS), got "
                       f"{parts['rollout'].lengths!r}")
@@ -401,7 +330,7 @@ class Settings:
 def load(config, entry: str = "rollout") -> Settings:
   """The settings of `config` for entry point `entry` (a key of ENTRIES); ConfigError names the
   first bad field."""
-  r = _Reader(config, "")
+  r = Reader(config, "")
   preset = r.choice("preset", tuple(PRESETS))
   schedule = r.choice("schedule", plan.SCHEDULES)
   parts = dict(model=_model(config), mesh=_mesh(config), rollout=_rollout(config),

@@ -21,6 +21,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from flexfloor_jax.policy.atomic import atomic_open
 
 
@@ -230,3 +232,28 @@ def save_timeline(tl: Timeline, path: str) -> None:
   """JSON dump of a timeline (atomic)."""
   with atomic_open(path) as f:
     json.dump(tl.to_dict(), f)
+
+
+def decode_step_medians(tl: Timeline) -> tuple[float, dict[int, float]]:
+  """The median decode seconds per step over the rollout, and by active-group size (emulated
+  devices share the host's cores, so a step costs more on a bigger mesh)."""
+  by_size: dict[int, list[float]] = {}
+  for x in tl.steps:
+    if x["kind"] == "decode" and x["num_steps"] > 0:
+      by_size.setdefault(len(x["active"]), []).append((x["t1"] - x["t0"]) / x["num_steps"])
+  per_step = [t for v in by_size.values() for t in v]
+  return (float(np.median(per_step)) if per_step else 0.0,
+          {k: float(np.median(v)) for k, v in by_size.items()})
+
+
+def release_latency_ratios(latencies: list[float], sizes: list[int], median_s: float,
+                           median_by_size: dict[int, float]) -> dict:
+  """summary.json's release latencies over the median decode step, overall and on the mesh each
+  release went to ({} without releases)."""
+  if not latencies:
+    return {}
+  return dict(release_latency_over_median_step=max(latencies) / max(median_s, 1e-9),
+              decode_step_median_s_by_size={str(k): v for k, v in median_by_size.items()},
+              release_latency_over_step_on_new_mesh=[
+                  lat / median_by_size[k] for lat, k in zip(latencies, sizes)
+                  if k in median_by_size])

@@ -1,0 +1,78 @@
+"""Reading one config section's fields, each checked as it is read: a bad value raises
+ConfigError naming the field (settings.py builds the typed settings with it). No JAX."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+class ConfigError(ValueError):
+  """A config field with a value no run can use; the message starts with the field's name."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+EXCHANGES = ("auto", "all_to_all", "ragged")  # moe.EXCHANGES and 'auto' (moe.py imports jax)
+REQUIRED = object()
+
+
+def one_of(values) -> str:
+  values = [repr(v) for v in values]
+  return ", ".join(values[:-1]) + " or " + values[-1] if len(values) > 1 else values[0]
+
+
+class Reader:
+  """Reads and checks the fields of one config section (prefix '': the top level)."""
+
+  def __init__(self, node, prefix: str, optional: bool = False):
+    if node is None and not optional:
+      raise ConfigError(f"{prefix}: section missing from the config")
+    self.node, self.prefix = node, prefix
+
+  def name(self, field: str) -> str:
+    return f"{self.prefix}.{field}" if self.prefix else field
+
+  def fail(self, field: str, what: str, v) -> None:
+    raise ConfigError(f"{self.name(field)}: must be {what}, got {v!r}")
+
+  def raw(self, field: str, default=REQUIRED):
+    v = REQUIRED if self.node is None else self.node.get(field, REQUIRED)
+    if v is REQUIRED:
+      if default is REQUIRED:
+        raise ConfigError(f"{self.name(field)}: missing from the config")
+      return default
+    return v
+
+  def int(self, field: str, lo: int = 1, default=REQUIRED, note: str = "") -> int:
+    v = self.raw(field, default)
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
+      self.fail(field, f"an integer >= {lo}{note}", v)
+    return int(v)
+
+  def num(self, field: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False,
+          hi_open: bool = False, default=REQUIRED, note: str = "") -> float:
+    v = self.raw(field, default)
+    ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+          and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
+    if not ok:
+      iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
+      self.fail(field, f"a finite number in {iv}{note}", v)
+    return float(v)
+
+  def choice(self, field: str, choices, default=REQUIRED, note: str = "") -> str:
+    v = self.raw(field, default)
+    if not isinstance(v, str) or v not in choices:
+      self.fail(field, f"one of {one_of(choices)}{note}", v)
+    return v
+
+  def flag(self, field: str, default=REQUIRED) -> bool:
+    v = self.raw(field, default)
+    if not isinstance(v, bool):
+      self.fail(field, "true or false", v)
+    return v
+
+  def text(self, field: str, default=REQUIRED, nonempty: bool = False) -> str:
+    v = self.raw(field, default)
+    if not isinstance(v, str) or (nonempty and not v):
+      self.fail(field, "a non-empty path" if nonempty else "a string", v)
+    return v
