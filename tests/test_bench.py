@@ -172,3 +172,65 @@ def test_sequences_from_a_checkpoint(tmp_path):
   c.model.checkpoint = str(tmp_path / "missing")
   with pytest.raises(runner.RolloutError, match="model.checkpoint"):
     runs.seqs_for(c)
+
+
+@pytest.fixture(scope="module")
+def paged_bench(tmp_path_factory):
+  """The small bench on the paged KV pool (rollout.kv='paged', kv_pages=0: the fixed-slot
+  cache's bytes), one epoch, static / balanced / flexfloor."""
+  tmp = tmp_path_factory.mktemp("bench_paged")
+  c = small_config(tmp)
+  c.epochs = 1
+  c.release_only = False
+  c.rollout.kv = "paged"
+  doc, timelines, records = runs.run_bench(c, progress=False)
+  report.write_outputs(doc, timelines, records, c.output_dir)
+  return c, doc, pathlib.Path(c.output_dir)
+
+
+def test_paged_bench_same_pool_replayed_exactly(paged_bench):
+  """Every schedule on one pool of the fixed-slot cache's bytes (rounded down to whole pages),
+  peak pages within it, the step simulator's replay on the same pool gives the measured
+  device-steps, peak pages and preemptions, and responses are token-identical."""
+  from flexfloor_jax.policy.pages import equal_budget_pages
+  c, doc, out = paged_bench
+  names = ("static", "balanced", "flexfloor")
+  (e,) = doc["epochs"]
+  seq_len = e["static"]["max_seq_len"]  # model.max_seq_len 0: resolved by the runner
+  pages = equal_budget_pages(c.rollout.slots_per_worker, seq_len, c.rollout.page_size)
+  fixed = e["static"]["kv_fixed_slot_bytes"]
+  page_bytes = fixed // (c.rollout.slots_per_worker * seq_len) * c.rollout.page_size
+  assert e["kv_pool"]["same_for_every_schedule"]
+  for n in names:
+    m = e[n]
+    assert m["kv_pool_bytes"] == e["static"]["kv_pool_bytes"] == pages * page_bytes
+    assert fixed - page_bytes < m["kv_pool_bytes"] <= fixed
+    assert m["kv_pages"] == pages and m["max_seqs_per_worker"] == 2 * c.rollout.slots_per_worker
+    assert 0 < m["kv_peak_pages"] <= m["kv_pages"]
+    assert (m["sim_kv_peak_pages"], m["sim_preemptions"]) == (m["kv_peak_pages"],
+                                                              m["preemptions"])
+  assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
+  assert all(e["kv_matches_sim"].values()) and all(e["responses_identical"].values())
+  assert e["bound"]["tokens_per_device_step"] > 0
+  lines = report.summary_lines(doc)
+  assert any(ln.startswith("paged KV, same pool") and "flexfloor/static" in ln for ln in lines)
+  assert any("balanced/static" in ln for ln in lines)
+  table = report.format_table(doc)
+  assert "pool B/worker" in table and "peak pages" in table
+  # the run records replay on the same pool (sim --calibrate/--predict)
+  from flexfloor_jax.sim import records
+  rec = records.load_run_record(str(out / "runs" / "flexfloor_e0.json"))
+  assert rec["kv"]["kv_pages"] == pages
+  m, _ = records.replay_record(rec)
+  assert m["device_steps"] == e["flexfloor"]["device_steps"]
+  assert m["kv"]["peak_pages"] == e["flexfloor"]["kv_peak_pages"]
+
+
+def test_fixed_slot_bench_has_no_pool_columns(small_bench):
+  c, out = small_bench
+  doc = json.loads((out / "bench.json").read_text())
+  assert not report.is_paged(doc) and "kv_pool" not in doc["epochs"][0]
+  assert "pool B/worker" not in report.format_table(doc)
+  assert not any("paged" in ln for ln in report.summary_lines(doc))
+  rec = json.loads((out / "runs" / "static_e0.json").read_text())
+  assert "kv" not in rec

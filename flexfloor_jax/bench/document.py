@@ -21,25 +21,44 @@ def same_responses(a: list[dict], b: list[dict]) -> bool:
   return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
 
 
-def bound(seqs, ff_result, static: dict, steps_per_dispatch: int) -> dict:
+def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> dict:
   """The bound a workload sets: the balanced placement of the *actual* lengths (perfect
   knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
-  the same lengths), at flexfloor's floor and release sizes."""
+  the same lengths), at flexfloor's floor and release sizes. `kv`: paged KV, the runs' pool
+  factory (the bound runs on the same pool, admitting by the actual lengths)."""
   from flexfloor_jax.policy import planner, scheduler, stepsim
   s = ff_result.summary
   lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
   by_id = {x.seq_id: x for x in seqs}
-  n, b = s["num_workers"], s["slots_per_worker"]
+  n = s["num_workers"]
+  b = s["max_seqs_per_worker"] if kv is not None else s["slots_per_worker"]
   actual = [float(lengths[x.seq_id]) for x in seqs]
   queues = scheduler.balanced_placement(seqs, actual, list(range(n)), b)
+  known = {q: float(v) for q, v in lengths.items()}
   pol = planner.ReleasePolicy(floor=s["floor"], chain=list(range(n)), shared_queue=True,
-                              predicted={q: float(v) for q, v in lengths.items()},
+                              predicted=known,
                               sizes=tuple(s["release_sizes"]) if s.get("release_sizes") else None)
-  m = stepsim.simulate(list(by_id.values()), lengths, queues, pol, n, b, steps_per_dispatch)
+  m = stepsim.simulate(list(by_id.values()), lengths, queues, pol, n, b, steps_per_dispatch,
+                       kv=kv(known) if kv is not None else None)
   return dict(tokens_per_device_step=m["tokens_per_device_step"],
               makespan_steps=m["makespan_steps"], device_steps=m["device_steps"],
               ratio_tokens_per_device_step=m["tokens_per_device_step"]
               / static["tokens_per_device_step"])
+
+
+POOL_KEYS = ("kv_pool_bytes", "kv_pages", "page_size", "max_seqs_per_worker", "kv_margin",
+             "kv_fixed_slot_bytes")
+
+
+def same_pool(ep: dict, names: list[str]) -> dict:
+  """Paged KV: the pool every schedule of the epoch ran on (bytes per worker, pages, page size,
+  rows, admission margin, and the fixed-slot cache's bytes for reference). Fairness: the
+  comparison holds only on one pool, so a schedule on another one raises."""
+  pools = {n: {k: ep[n].get(k) for k in POOL_KEYS} for n in names}
+  first = pools[names[0]]
+  if any(p != first for p in pools.values()):
+    raise ValueError(f"epoch {ep['epoch']}: the schedules ran on different KV pools: {pools}")
+  return dict(first, same_for_every_schedule=True)
 
 
 def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
@@ -54,8 +73,13 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
   ep["ratio"] = ratios(ep["flexfloor"], st)
   ep["ratio_balanced"] = ratios(ep["balanced"], st)
   ep["flexfloor_over_balanced"] = ratios(ep["flexfloor"], ep["balanced"])
-  ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st,
-                      runs["flexfloor"][0][0].rollout.steps_per_dispatch)
+  ff_c, ff_s = runs["flexfloor"][0][0], runs["flexfloor"][0][1].summary
+  kv = None
+  if ff_s.get("kv") == "paged":
+    from flexfloor_jax import kv_pool
+    ep["kv_pool"] = same_pool(ep, names)
+    kv = kv_pool.pool_factory(ff_c.rollout, ff_s["num_workers"], ff_s["max_seq_len"])
+  ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st, ff_c.rollout.steps_per_dispatch, kv=kv)
   ep["makespan_speedup"] = {n: st["makespan_steps"] / ep[n]["makespan_steps"]
                             for n in names + ["bound"] if ep.get(n, {}).get("makespan_steps")}
   if "release_only" in ep:

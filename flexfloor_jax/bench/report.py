@@ -16,12 +16,25 @@ TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "
          ("throughput_tokens_per_s", "tokens/s", ".1f"), ("mean_reward", "reward", ".3f"))
 
 
+# paged KV (rollout.kv='paged'): the pool's columns, after the others
+KV_TABLE = (("kv_pool_bytes", "pool B/worker", "d"), ("kv_pages", "pages", "d"),
+            ("kv_peak_pages", "peak pages", "d"), ("preemptions", "preempt", "d"))
+
+
+def is_paged(doc: dict) -> bool:
+  return any("kv_pool" in e for e in doc["epochs"])
+
+
 def format_table(doc: dict) -> str:
   hw = doc["roofline"]["hardware"]
+  paged = is_paged(doc)
   cols = [("epoch", 5), ("run", 25)] + [(h, 20 if i == 0 else max(len(h), 9))
                                        for i, (_, h, _) in enumerate(TABLE)] + [
-      (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)]
-  fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols))
+      (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)] + (
+      [(h, max(len(h), 7)) for _, h, _ in KV_TABLE] if paged else [])
+  # rows without the pool's columns get dashes there (nothing to add with fixed slots)
+  fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(
+      list(vals) + ["-"] * (len(cols) - len(vals)), cols))
   lines = [fmt_row([c for c, _ in cols])]
   dash = "-"
 
@@ -36,7 +49,8 @@ def format_table(doc: dict) -> str:
         m = ep[name]
         lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
                              + [format(m["roofline_tokens_per_device_second"], ".4g") +
-                                " tok/dev-s", dash, dash]))
+                                " tok/dev-s", dash, dash]
+                             + ([cell(m, key, f) for key, _, f in KV_TABLE] if paged else [])))
     bd = ep["bound"]
     lines.append(fmt_row([k, "bound (actual lengths)", format(bd["tokens_per_device_step"], ".3f"),
                           format(bd["makespan_steps"], ".0f")] + [dash] * (len(TABLE) - 2)
@@ -89,6 +103,8 @@ def summary_lines(doc: dict) -> list[str]:
     q = [e["release_compaction_of_ceiling"] for e in doc["epochs"]]
     out.append(f"release + compaction (placement unchanged) / ceiling per epoch: "
                f"{', '.join(f'{x:.3f}' for x in q)} (target > 1: past the ceiling)")
+  if is_paged(doc):
+    out += paged_lines(doc, eps)
   ok = all(all(e["device_steps_match_sim"].values()) for e in doc["epochs"])
   ident = all(all(e["responses_identical"].values()) for e in doc["epochs"])
   out.append(f"sim replay device_steps == measured for every run: {ok}; responses token-identical "
@@ -101,6 +117,35 @@ def summary_lines(doc: dict) -> list[str]:
                f"time within {max(abs(e) for e in errs) * 100:.1f}% (mean "
                f"{sum(errs) / len(errs) * 100:+.1f}%), device_steps exact: "
                f"{all(p['device_steps_exact'] for p in cal['predictions'])}")
+  return out
+
+
+def paged_lines(doc: dict, eps: list[dict]) -> list[str]:
+  """Paged KV: issue #18's targets on one pool (flexfloor and balanced against static), the pool
+  every schedule ran on, and per schedule its peak pages and preemptions."""
+  ks = [e["epoch"] for e in eps]
+  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+  out = []
+  for name, key in (("flexfloor", "ratio"), ("balanced", "ratio_balanced")):
+    r = [e[key]["tokens_per_device_step"] for e in eps]
+    ms = [e["makespan_speedup"][name] for e in eps]
+    out.append(f"paged KV, same pool, epochs {ks}: {name}/static tokens_per_device_step "
+               f"{fmt(r)} (issue #18 target >= 2.0); static/{name} makespan (steps) {fmt(ms)} "
+               f"(target >= 1.5)")
+  p = doc["epochs"][0]["kv_pool"]
+  same = all(e["kv_pool"] == p for e in doc["epochs"])
+  out.append(f"paged KV pool per worker, every schedule and epoch on the same one: {same}: "
+             f"{p['kv_pool_bytes']} bytes ({p['kv_pages']} pages of {p['page_size']} tokens; "
+             f"the fixed-slot cache {p['kv_fixed_slot_bytes']} bytes), max_seqs "
+             f"{p['max_seqs_per_worker']}, kv_margin {p['kv_margin']}")
+  names = [n for n in ("static", "balanced", "flexfloor", "release_only", "release_compaction")
+           if all(n in e for e in doc["epochs"])]
+  for key, label in (("kv_peak_pages", "peak pages"), ("preemptions", "preemptions")):
+    per = "; ".join(f"{n} " + ", ".join(str(e[n][key]) for e in doc["epochs"]) for n in names)
+    out.append(f"paged KV {label} per epoch {[e['epoch'] for e in doc['epochs']]}: {per}")
+  ok = all(all(e.get("kv_matches_sim", {}).values()) for e in doc["epochs"])
+  out.append(f"sim replay on the same pool: peak pages and preemptions == measured for every "
+             f"run: {ok}")
   return out
 
 

@@ -102,9 +102,52 @@ def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
   return runs
 
 
+def paged(summary: dict) -> bool:
+  """Whether a run's summary.json is of the paged KV pool (rollout.kv='paged')."""
+  return summary.get("kv") == "paged"
+
+
+def lanes(summary: dict) -> int:
+  """Sequences a worker runs at once: the fixed slots, or the paged pool's rows."""
+  return summary["max_seqs_per_worker"] if paged(summary) else summary["slots_per_worker"]
+
+
+def pool_factory(c, summary: dict):
+  """Paged KV: (predicted lengths) -> a fresh PagePool built exactly as the runner built the run's
+  (kv_pool.make_pool from the run's rollout settings, workers and max_seq_len); None: fixed
+  slots."""
+  from flexfloor_jax import kv_pool
+  if not paged(summary):
+    return None
+  return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])
+
+
+def fixed_slot_kv_bytes(model_cfg, slots_per_worker: int, max_seq_len: int) -> int:
+  """KV bytes per worker of the fixed-slot cache (slots_per_worker rows of max_seq_len tokens,
+  K and V of every layer): what kv_pages=0 gives the paged pool, rounded down to whole pages."""
+  import jax.numpy as jnp
+
+  from flexfloor_jax.model import transformer as tfm
+  per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
+      * jnp.dtype(tfm.dtype_of(model_cfg)).itemsize
+  return int(slots_per_worker) * int(max_seq_len) * per_token
+
+
+def kv_spec(c, summary: dict) -> dict | None:
+  """A run record's paged pool (what sim.records.replay_record rebuilds it from); None: fixed
+  slots."""
+  if not paged(summary):
+    return None
+  r = c.rollout
+  return dict(kv_pages=summary["kv_pages"], page_size=r.page_size,
+              max_seqs_per_worker=summary["max_seqs_per_worker"], kv_margin=r.kv_margin,
+              max_seq_len=summary["max_seq_len"])
+
+
 def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   """One run's measures (its summary's numbers, the simulator's device_steps for the same lengths,
-  the roofline's device time) and the lengths it produced."""
+  the roofline's device time) and the lengths it produced. Paged KV: the replays run on a pool
+  built as the run's, so its peak pages and preemptions are checked too (sim_kv_*)."""
   from flexfloor_jax.sim import costs, replay
   s = res.summary
   m = _scalars(s)
@@ -113,10 +156,15 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
             placement=c.scheduler.placement, compaction=c.scheduler.compaction,
             epoch=k, sizes=s.get("release_sizes"), makespan_slack=c.scheduler.makespan_slack,
             step_cost=s.get("step_cost", "measured"))
-  args = (seqs, lengths, before, c.schedule, s["num_workers"], s["slots_per_worker"], s["floor"])
+  if paged(s):
+    kw["kv"] = pool_factory(c, s)
+  args = (seqs, lengths, before, c.schedule, s["num_workers"], lanes(s), s["floor"])
   plain, _ = replay.replay(*args, **kw)
   roof, _ = replay.replay(*args, cost=costs.RooflineCost(model, hw), model=model, **kw)
   m["sim_device_steps"] = plain["device_steps"]
+  if paged(s):
+    m["sim_kv_peak_pages"] = plain["kv"]["peak_pages"]
+    m["sim_preemptions"] = plain["kv"]["preemptions"]
   m["roofline_occupied_device_seconds"] = roof["occupied_device_seconds"]
   m["roofline_tokens_per_device_second"] = (
       roof["generated_tokens"] / roof["occupied_device_seconds"])
@@ -158,15 +206,26 @@ def run_bench(config, st=None, *, progress: bool = True):
               name=f"{name}_e{k}", epoch=k, seqs=seqs, lengths=lengths, history=before,
               schedule=c.schedule, placement=c.scheduler.placement,
               compaction=c.scheduler.compaction, num_workers=s["num_workers"],
-              slots_per_worker=s["slots_per_worker"], floor=s["floor"],
+              slots_per_worker=lanes(s), floor=s["floor"],
               steps_per_dispatch=c.rollout.steps_per_dispatch,
-              num_experts=model_cfg.num_experts, timeline=res.record.timeline, summary=s)
+              num_experts=model_cfg.num_experts, timeline=res.record.timeline, summary=s,
+              kv=kv_spec(c, s))
       # the mean of each measure over the repeats; counts stay integers: the first run's
       merged = {key: sum(p[key] for p in per) / len(per) for key in per[0]
                 if all(key in p for p in per)}
-      for key in ("device_steps", "generated_tokens", "sim_device_steps"):
+      for key in ("device_steps", "generated_tokens", "sim_device_steps", "kv_pool_bytes",
+                  "kv_pages", "page_size", "max_seqs_per_worker", "kv_peak_pages", "preemptions",
+                  "sim_kv_peak_pages", "sim_preemptions"):
         if key in merged:
           merged[key] = per[0][key]
+      if paged(runs[name][0][1].summary):
+        c0, s0 = runs[name][0][0], runs[name][0][1].summary
+        merged["kv_margin"] = c0.rollout.kv_margin
+        merged["kv_fixed_slot_bytes"] = fixed_slot_kv_bytes(model_cfg, c0.rollout.slots_per_worker,
+                                                            s0["max_seq_len"])
+        ep.setdefault("kv_matches_sim", {})[name] = all(
+            (p["kv_peak_pages"], p["preemptions"]) == (p["sim_kv_peak_pages"],
+                                                       p["sim_preemptions"]) for p in per)
       ep[name] = merged
       if st.bench.repeats > 1:
         ep.setdefault("repeats", {})[name] = {

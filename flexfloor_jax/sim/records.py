@@ -24,7 +24,10 @@ from flexfloor_jax.sim.replay import replay
 def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[int, int],
                     history, schedule: str, placement: str, compaction: bool, num_workers: int,
                     slots_per_worker: int, floor: int, steps_per_dispatch: int, num_experts: int,
-                    timeline: accounting.Timeline, summary: dict) -> dict:
+                    timeline: accounting.Timeline, summary: dict,
+                    kv: Optional[dict] = None) -> dict:
+  """`kv`: paged KV, the run's pool (kv_pages, page_size, max_seqs_per_worker, kv_margin,
+  max_seq_len; slots_per_worker is then its max_seqs); None: fixed slots (no 'kv' key)."""
   keep = ("device_steps", "tokens_per_device_step", "generation_wall_s", "generated_tokens",
           "idle_after_finish_fraction", "slot_utilization", "throughput_tokens_per_s",
           "makespan_steps", "occupied_device_seconds")
@@ -41,7 +44,8 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               makespan_slack=summary.get("makespan_slack", 0.05),
               step_cost=summary.get("step_cost", "measured"),
               step_seconds={str(k): v for k, v in history.step_seconds.items()},
-              timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary})
+              timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary},
+              **({"kv": dict(kv)} if kv else {}))
 
 
 def load_run_record(path: str) -> dict:
@@ -57,6 +61,20 @@ def load_run_record(path: str) -> dict:
   return rec
 
 
+def kv_factory(spec: Optional[dict], num_workers: int):
+  """A run record's paged pool -> (predicted lengths) -> a fresh PagePool, built as the runner
+  builds it (kv_pool.make_pool); None for a fixed-slot record."""
+  if not spec:
+    return None
+  from types import SimpleNamespace
+
+  from flexfloor_jax import kv_pool
+  r = SimpleNamespace(kv_pages=spec["kv_pages"], page_size=spec["page_size"],
+                      max_seqs=spec["max_seqs_per_worker"], kv_margin=spec["kv_margin"],
+                      slots_per_worker=spec["max_seqs_per_worker"])
+  return kv_pool.pool_factory(r, num_workers, spec["max_seq_len"])
+
+
 def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
   seqs = [Seq(**s) for s in rec["seqs"]]
   lengths = {int(k): v for k, v in rec["lengths"].items()}
@@ -67,7 +85,8 @@ def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
                 placement=rec.get("placement", "auto"), compaction=rec.get("compaction", True),
                 epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
                 sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05),
-                step_cost=rec.get("step_cost", "measured"))
+                step_cost=rec.get("step_cost", "measured"),
+                kv=kv_factory(rec.get("kv"), rec["num_workers"]))
 
 
 def fit_records(recs: list[dict], name: str = "") -> LinearCost:
