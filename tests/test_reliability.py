@@ -459,7 +459,7 @@ def test_rollout_cli_loads_history_against_its_model(tmp_path, caplog):
   c.scheduler.history_path = _history_file(tmp_path, {"builtin-0": {"0": [40]}},
                                            model="cfg-0123456789abcdef")
   with caplog.at_level(logging.WARNING):
-    h = prepare_rollout(c)
+    _, h = prepare_rollout(c)
   assert len(h) == 0 and h.model == model_identity(PRESETS["tiny"])
   assert "cfg-0123456789abcdef" in caplog.text
   assert model_identity(PRESETS["tiny"]) == model_identity(PRESETS["tiny"].replace(

@@ -186,10 +186,12 @@ def test_rl_step_released_logprobs_shorten_the_step():
 def _rollout(pool, seed: int, schedule: str = "flexfloor"):
   from flexfloor_jax import runner
   from flexfloor_jax.bench import runs as bench_runs
-  c = bench_runs.run_config(bench_runs.get_bench_config(), dict(schedule=schedule,
-                                                                placement="auto"), 0)
-  c.sampling.seed = seed  # also the workload seed: another workload
-  c.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)
+  from flexfloor_jax import settings
+  config = bench_runs.get_bench_config()
+  config.sampling.seed = seed  # also the workload seed: another workload
+  config.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)
+  st = settings.load(config, "bench")
+  c = bench_runs.run_config(st, dict(bench_runs.variants(st))[schedule], 0)
   hist = LengthHistory()
   seqs, model_cfg = bench_runs.seqs_for(c)
   res = runner.run(c, write_outputs=False, history=LengthHistory(), progress=False,
