@@ -83,7 +83,7 @@ def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> Floor
   if getattr(r, "kv", "slots") != "paged":
     return t
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax import kv_pool
+  from flexfloor_jax.policy import kv_pool
   from flexfloor_jax.policy.pages import pages_for
   per_token = (t.kv - engine_lib.state_bytes_per_worker(
       model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)) // (

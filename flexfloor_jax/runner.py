@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flexfloor_jax import kv_pool, settings
-from flexfloor_jax.policy import compile_plan, costs, footprint, outputs, plan, prediction
+from flexfloor_jax import settings
+from flexfloor_jax.policy import (compile_plan, costs, footprint, kv_pool, outputs, plan,
+                                  prediction)
 from flexfloor_jax.policy.accounting import decode_step_medians, jsonable, release_latency_ratios
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, release_sizes

@@ -34,7 +34,8 @@ def main(argv=None):
   ap.add_argument("--kv_margin", type=float, default=None)
   a = ap.parse_args(argv)
 
-  from flexfloor_jax import cli, kv_pool, memory, settings
+  from flexfloor_jax import cli, memory, settings
+  from flexfloor_jax.policy import kv_pool
   from flexfloor_jax import rollout_inputs as inputs
   from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.sim import replay

@@ -5,6 +5,7 @@ output tests share (one set of compiled shapes)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -183,3 +184,19 @@ def rollout_config():
   c.sampling.temperature = 1.0
   c.sampling.top_p = 0.9
   return c
+
+
+def long_tailed_lengths(c, path):
+  """A lengths file with a long tail within max_new_tokens (the default workload's median of 64
+  would cap every response at rollout_config's 32 tokens): one straggler at the cap, the rest
+  short and varied, so the group shrinks all the way to the floor."""
+  rng = np.random.default_rng(7)
+  with open(path, "w") as f:
+    for i in range(c.rollout.num_prompts):
+      base = rng.integers(3, c.rollout.max_new_tokens // 2)
+      for j in range(c.rollout.samples_per_prompt):
+        n = int(np.clip(base + rng.integers(-2, 3), 1, c.rollout.max_new_tokens))
+        if i == 0 and j == 0:
+          n = c.rollout.max_new_tokens
+        f.write(json.dumps({"id": f"builtin-{i}", "sample": j, "length": n}) + "\n")
+  return str(path)

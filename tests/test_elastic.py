@@ -46,27 +46,11 @@ def sizes_over_time(res):
   return sizes
 
 
-def long_tailed_lengths(c, path):
-  """A lengths file with a long tail within max_new_tokens (the default workload's median of 64
-  would cap every response at this test's 32 tokens): one straggler at the cap, the rest
-  short and varied, so the group shrinks all the way to the floor."""
-  rng = np.random.default_rng(7)
-  with open(path, "w") as f:
-    for i in range(c.rollout.num_prompts):
-      base = rng.integers(3, c.rollout.max_new_tokens // 2)
-      for j in range(c.rollout.samples_per_prompt):
-        n = int(np.clip(base + rng.integers(-2, 3), 1, c.rollout.max_new_tokens))
-        if i == 0 and j == 0:
-          n = c.rollout.max_new_tokens
-        f.write(json.dumps({"id": f"builtin-{i}", "sample": j, "length": n}) + "\n")
-  return str(path)
-
-
 @pytest.mark.parametrize("lengths", ["file", "model"])
 def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
   c = get_config()
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl") if lengths == "file" \
-      else "model"
+  c.rollout.lengths = (engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+                       if lengths == "file" else "model")
   c.schedule = "static"
   static = run(c, params, tmp_path, "static")
   c.schedule = "flexfloor"
@@ -170,7 +154,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
 
 def test_no_compile_during_rollout(params, tmp_path):
   c = get_config()
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   messages = []
 
   class Capture(logging.Handler):
@@ -203,7 +187,7 @@ def test_no_compile_during_rollout(params, tmp_path):
 
 def test_floor_is_respected(params, tmp_path):
   c = get_config()
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   t = memory.terms_for_config(c, MODEL)
   # Room for 2 experts per worker (plus slack below one more expert): the floor is 4 workers.
   budget = t.per_device(2) + t.expert // 2
@@ -261,7 +245,7 @@ def test_measured_step_times_drive_the_next_run(params, tmp_path):
   """The engine's per-size decode step times go into the length history; the next run's release
   policy decides on them (the time-aware floor's measured source)."""
   c = get_config()
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.scheduler.step_cost = "measured"  # 'auto' decides on device-steps on emulated CPU devices
   hist = LengthHistory()
   first = run(c, params, tmp_path, "first", history=hist)
@@ -291,7 +275,7 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
       "FLEXFLOOR_JAX_CACHE"))
   c = get_config()
   c.rollout.wait_compiles = False
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   first = run(c, params, tmp_path, "first")
   s = first.summary
   assert s["max_seq_len"] == c.model.max_seq_len  # an explicit length wins

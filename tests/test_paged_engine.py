@@ -2,15 +2,14 @@
 the same responses whatever the schedule (releases and migrations move pages), preemption by
 recompute that changes no token, and every page back in the pool after a run."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
 
 import engine_utils
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import kv_pool, memory, runner, settings
+from flexfloor_jax import memory, runner, settings
+from flexfloor_jax.policy import kv_pool
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
@@ -148,28 +147,13 @@ def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_pa
   assert_pool_conserved(s)
 
 
-def long_tailed_lengths(c, path):
-  """One straggler at the cap, the rest short: the group shrinks to the floor and live
-  sequences migrate (test_elastic.py's workload)."""
-  rng = np.random.default_rng(7)
-  with open(path, "w") as f:
-    for i in range(c.rollout.num_prompts):
-      base = rng.integers(3, c.rollout.max_new_tokens // 2)
-      for j in range(c.rollout.samples_per_prompt):
-        n = int(np.clip(base + rng.integers(-2, 3), 1, c.rollout.max_new_tokens))
-        if i == 0 and j == 0:
-          n = c.rollout.max_new_tokens
-        f.write(json.dumps({"id": f"builtin-{i}", "sample": j, "length": n}) + "\n")
-  return str(path)
-
-
 def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path):
   """Paged KV, sampled: static and flexfloor (releases down to the floor, live sequences
   migrated page by page) give the same tokens and log-probs, bit for bit."""
   c = engine_utils.rollout_config()
   c.rollout.kv = "paged"
   c.scheduler.release_sizes = "pow2"
-  c.rollout.lengths = long_tailed_lengths(c, tmp_path / "lengths.jsonl")
+  c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.schedule = "static"
   static = run(c, params, tmp_path, "static")
   c.schedule = "flexfloor"

@@ -76,7 +76,7 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
   ff_c, ff_s = runs["flexfloor"][0][0], runs["flexfloor"][0][1].summary
   kv = None
   if ff_s.get("kv") == "paged":
-    from flexfloor_jax import kv_pool
+    from flexfloor_jax.policy import kv_pool
     ep["kv_pool"] = same_pool(ep, names)
     kv = kv_pool.pool_factory(ff_c.rollout, ff_s["num_workers"], ff_s["max_seq_len"])
   ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st, ff_c.rollout.steps_per_dispatch, kv=kv)

@@ -116,7 +116,7 @@ def pool_factory(c, summary: dict):
   """Paged KV: (predicted lengths) -> a fresh PagePool built exactly as the runner built the run's
   (kv_pool.make_pool from the run's rollout settings, workers and max_seq_len); None: fixed
   slots."""
-  from flexfloor_jax import kv_pool
+  from flexfloor_jax.policy import kv_pool
   if not paged(summary):
     return None
   return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])

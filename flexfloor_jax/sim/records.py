@@ -68,7 +68,7 @@ def kv_factory(spec: Optional[dict], num_workers: int):
     return None
   from types import SimpleNamespace
 
-  from flexfloor_jax import kv_pool
+  from flexfloor_jax.policy import kv_pool
   r = SimpleNamespace(kv_pages=spec["kv_pages"], page_size=spec["page_size"],
                       max_seqs=spec["max_seqs_per_worker"], kv_margin=spec["kv_margin"],
                       slots_per_worker=spec["max_seqs_per_worker"])
