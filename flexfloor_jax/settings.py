@@ -22,6 +22,7 @@ from flexfloor_jax.config_reader import DTYPES, EXCHANGES, ConfigError, Reader  
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS
 from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
+from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.tokenizer import ByteTokenizer
 
@@ -341,7 +342,7 @@ def load(config, entry: str = "rollout") -> Settings:
                       f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
                       "cache of max_seq_len)")
   if ro.kv == "paged" and m.max_seq_len and ro.kv_pages and (
-      ro.kv_pages * ro.page_size < m.max_seq_len):
+      ro.kv_pages < pages_for(m.max_seq_len, ro.page_size)):
     raise ConfigError(f"rollout.kv_pages={ro.kv_pages} of rollout.page_size={ro.page_size} "
                       f"tokens cannot hold one sequence of model.max_seq_len={m.max_seq_len}")
   for name in ENTRIES[entry]:

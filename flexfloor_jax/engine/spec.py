@@ -17,6 +17,7 @@ from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, resolve_exchange
+from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.sampling import SamplingParams
 
 
@@ -59,7 +60,7 @@ class EngineSpec:
   @property
   def pages_per_seq(self) -> int:
     """Page-table width of a sequence row: max_seq_len in pages (0 with fixed slots)."""
-    return -(-self.max_seq_len // self.page_size) if self.paged else 0
+    return pages_for(self.max_seq_len, self.page_size) if self.paged else 0
 
   @property
   def resume_width(self) -> int:
