@@ -35,7 +35,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
 
   from flexfloor_jax import cli, memory, settings
-  from flexfloor_jax.policy import kv_pool
+  from flexfloor_jax.policy import kv_pool, pages
   from flexfloor_jax import rollout_inputs as inputs
   from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.sim import replay
@@ -104,6 +104,14 @@ def main(argv=None):
     print(f"      longest response {longest} tokens; paged static makespan "
           f"{res[('paged', 'static')][0]['makespan_steps']:.0f} steps "
           f"(fixed-slot static {fixed_static['makespan_steps']:.0f})")
+    lb = pages.makespan_lower_bound(seqs, lengths, n, pool.num_pages, pool.page_size,
+                                    pool.max_seqs)
+    st_ms = res[("paged", "static")][0]["makespan_steps"]
+    print(f"      lower bound on the pool: {lb['bound']} steps = max(longest + prefill rounds "
+          f"{lb['longest']}, rows {lb['rows']}, pages {lb['pages']} [{lb['page_steps']} "
+          f"page-steps, {lb['kv_token_steps']} KV token-steps / {n} x {pool.num_pages} pages]); "
+          f"paged static / bound {st_ms / lb['bound']:.2f}: static/flexfloor >= 1.5 needs "
+          f"flexfloor <= {st_ms / 1.5:.0f} steps")
     history.add_rollout(k, seqs, lengths)
 
 

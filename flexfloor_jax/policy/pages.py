@@ -60,6 +60,39 @@ def kv_budget_bytes(num_pages: int, page_size: int, kv_bytes_per_token: int) -> 
   return int(num_pages) * int(page_size) * int(kv_bytes_per_token)
 
 
+def makespan_lower_bound(seqs, lengths: Mapping[int, int], num_workers: int, num_pages: int,
+                         page_size: int, max_seqs: int) -> dict:
+  """Steps no schedule of `seqs` (prompt_len, max_new_tokens, seq_id) with response `lengths` can
+  beat on `num_workers` pools of `num_pages` pages of `page_size` tokens and `max_seqs` rows each
+  (a release only removes capacity). A step is one prefill round (at most one new sequence per
+  worker) or one decode step; a sequence makes one token per step it takes part in. Terms:
+    longest: L_max + ceil(S/N) - 1: the longest response makes one token per step, and of the
+      >= ceil(S/N) prefill rounds (S sequences, one per worker per round) all but its own make
+      none of its tokens (assumes it is not preempted: a recompute prefill makes a token);
+    rows: R + ceil((sum L - N R) / (N max_seqs)) with R = ceil(S/N) prefill rounds (<= N tokens
+      each) and decode steps of <= N max_seqs tokens;
+    pages: ceil(page_steps / (N num_pages)), page_steps = sum over sequences of
+      sum_{t=1..L} pages_for(prompt + t): while a step makes its t-th token a sequence holds
+      pages for at least prompt + t tokens (the pool allocates prompt + 1 at prefill and grows
+      to prompt + generated + the dispatch's steps before a decode), and a step holds at most
+      N num_pages pages. kv_token_steps: the same sum in tokens, sum of (prompt + t).
+  bound: the largest term."""
+  N, S = int(num_workers), len(seqs)
+  L = {s.seq_id: int(min(max(int(lengths[s.seq_id]), 1), s.max_new_tokens)) for s in seqs}
+  R = -(-S // N)
+  total = sum(L.values())
+  longest = max(L.values()) + R - 1 if S else 0
+  rows = R + -(-max(0, total - N * R) // (N * int(max_seqs))) if S else 0
+  page_steps = tok_steps = 0
+  for s in seqs:
+    t = np.arange(1, L[s.seq_id] + 1, dtype=np.int64) + int(s.prompt_len)
+    page_steps += int((-(-t // int(page_size))).sum())
+    tok_steps += int(t.sum())
+  pages = -(-page_steps // (N * int(num_pages)))
+  return dict(longest=int(longest), rows=int(rows), pages=int(pages), page_steps=page_steps,
+              kv_token_steps=tok_steps, bound=int(max(longest, rows, pages)))
+
+
 class PagePool:
   """The pools of `num_workers` workers. Rows are addressed (worker, slot), slot < max_seqs.
 
