@@ -204,3 +204,40 @@ def test_paged_with_full_rows_runs_the_fixed_slot_steps(policy_kind):
   m2 = stepsim.simulate(seqs, None, queues, mk(), N, B, 5, kv=small)
   m2.pop('kv')
   assert m2 != m0
+
+
+def test_makespan_lower_bound_by_hand():
+  """2 workers, pools of 16 pages of 4 tokens, 4 rows; prompts of 4; responses 40, 40 and six of 4.
+  longest: 40 + ceil(8 / 2) - 1 = 43. rows: R = 4 prefill rounds (8 tokens), then 104 - 8 = 96
+  tokens at <= 8 per decode step: 4 + 12 = 16. pages: a 40 holds ceil((4 + t) / 4) pages while it
+  makes token t = 1..40: 4 x (2 + 3 + ... + 11) = 260 page-steps; a 4: 4 x 2 = 8; 2 x 260 + 6 x 8
+  = 568 over 2 x 16 pages: 17.75 -> 18. KV token-steps: 2 x (5 + ... + 44) + 6 x (5 + ... + 8)
+  = 1960 + 156."""
+  seqs = [Seq(i, f'p{i}', 0, 4, n, 60) for i, n in enumerate([40, 40] + [4] * 6)]
+  lb = pages.makespan_lower_bound(seqs, {s.seq_id: s.target_len for s in seqs}, 2, 16, 4, 4)
+  assert lb == dict(longest=43, rows=16, pages=18, page_steps=568, kv_token_steps=2116, bound=43)
+  # one worker whose pool holds one sequence at a time: the pages term binds (3 x 8 page-steps
+  # over 3 pages = 8 > longest 4 + 3 - 1 = 6, rows 3 + ceil(9 / 4) = 6); the run takes 12
+  one = [Seq(i, f'p{i}', 0, 4, 4, 8) for i in range(3)]
+  lb = pages.makespan_lower_bound(one, {s.seq_id: 4 for s in one}, 1, 3, 4, 4)
+  assert (lb['longest'], lb['rows'], lb['pages'], lb['bound']) == (6, 6, 8, 8)
+  m = stepsim.simulate(one, None, {0: [0, 1, 2]}, planner.ReleasePolicy(False), 1, 4, 5,
+                       kv=PagePool(1, 3, 4, 4, predicted={q: 4.0 for q in range(3)}))
+  assert m['makespan_steps'] == 12 >= lb['bound']
+
+
+@pytest.mark.parametrize('seed', [0, 1, 2])
+def test_makespan_lower_bound_holds_on_simulated_runs(seed):
+  rng = np.random.default_rng(seed)
+  N, S, P = 3, 4, 8
+  lengths = rng.integers(1, 64, size=29)
+  seqs = mkseqs(lengths)
+  pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
+  lb = pages.makespan_lower_bound(seqs, {s.seq_id: s.target_len for s in seqs}, N, 12, P, S)
+  for queues in (scheduler.static_placement(seqs, list(range(N))),
+                 scheduler.balanced_placement(seqs, list(pred.values()), list(range(N)), S)):
+    m = stepsim.simulate(seqs, None, queues, planner.ReleasePolicy(False), N, S, 5,
+                         kv=PagePool(N, 12, P, S, predicted=pred))
+    assert m['makespan_steps'] >= max(lb['rows'], lb['pages'])  # with preemptions too
+    if m['kv']['preemptions'] == 0:  # 'longest' assumes the longest is not preempted
+      assert m['makespan_steps'] >= lb['longest']

@@ -12,7 +12,7 @@ import pytest
 
 from flexfloor_jax.policy import planner, prediction, scheduler, stepsim, workload
 from flexfloor_jax.policy.history import HISTORY_FORMAT, HISTORY_VERSION
-from flexfloor_jax.policy.controller import run
+from flexfloor_jax.policy.controller import Seq, run
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,3 +160,57 @@ def test_flexfloor_puts_long_on_tail():
   assert mean(chain[-1]) > mean(chain[0])
   for w in chain:  # longest predicted first within a worker
     assert [pred[i] for i in q[w]] == sorted([pred[i] for i in q[w]], reverse=True)
+
+
+def _two_long_six_short():
+  """2 workers, pools of 16 pages of 4 tokens and 4 rows, no margin; prompts of 4. A response of
+  40 reserves ceil(44 / 4) = 11 pages, so a pool runs one at a time (22 > 16); one of 4 reserves
+  3 at admission (prompt + 1 + 5 steps of a dispatch = 10 tokens)."""
+  from flexfloor_jax.policy.pages import PagePool
+  seqs = [Seq(i, f'p{i}', 0, 4, n, 60) for i, n in enumerate([40, 40] + [4] * 6)]
+  pred = [float(s.target_len) for s in seqs]
+  kv = lambda p: PagePool(2, 16, 4, 4, predicted=p, margin=0.0)
+  return seqs, pred, kv
+
+
+def test_pool_aware_balanced_placement_by_hand():
+  """Lanes: worker 0's 4 lanes are all free for the two 40s (LPT keys 40 on both workers, tie ->
+  worker 0) and two 4s; its pool runs the 40s one after the other: 4 prefill rounds + 39 decode
+  steps, then 3 rounds + 39: 85 steps. On the pool (PoolLoad: finish = sequences + max(rows' LPT,
+  reserved page-steps / 16)): the second 40 would make worker 0's finish 2 + 22 x 40 / 16 = 57 >
+  worker 1's 41, so the 40s go to different workers, the 4s alternate; 43 steps = the lower
+  bound (40 + 4 prefill rounds - 1)."""
+  seqs, pred, kv = _two_long_six_short()
+  lane = scheduler.balanced_placement(seqs, pred, [0, 1], 4)
+  load = scheduler.PoolLoad(seqs, pred, kv, 5)
+  assert list(load.reserve) == [11, 11] + [3] * 6
+  assert load.finish([0, 1, 2, 3]) == 4 + 22 * 40 / 16 + 6 * 4 / 16
+  mem = scheduler.balanced_placement(seqs, pred, [0, 1], 4, pool=load)
+  assert lane == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+  assert mem == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
+  lengths = {s.seq_id: s.target_len for s in seqs}
+  ms = [stepsim.simulate(seqs, None, q, planner.ReleasePolicy(False), 2, 4, 5,
+                         kv=kv(lengths))['makespan_steps'] for q in (lane, mem)]
+  assert ms == [85, 43]
+  from flexfloor_jax.policy import pages
+  assert pages.makespan_lower_bound(seqs, lengths, 2, 16, 4, 4)['bound'] == 43
+
+
+def test_pool_aware_pack_spreads_what_lanes_stack():
+  """_pack with lanes puts everything on the chain's tail (the 8 onto its 4 lanes finish at 44);
+  on the pool the tail takes the first 40 and three 4s (4 sequences + 40 = 44; the second 40
+  would make it 2 + 22 x 40 / 16 = 57, a fifth sequence 45), the head the rest: 43 steps on the
+  pool, where the lanes' placement runs both 40s on one worker one after the other."""
+  seqs, pred, kv = _two_long_six_short()
+  load = scheduler.PoolLoad(seqs, pred, kv, 5)
+  order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
+  p = np.asarray(pred)
+  assert scheduler._pack(order, p, [0, 1], 4, 44.0) == {0: [], 1: list(range(8))}
+  packed = scheduler._pack(order, p, [0, 1], 4, 44.0, pool=load)
+  assert packed == {0: [1, 5, 6, 7], 1: [0, 2, 3, 4]}
+  assert [load.finish(v) for v in packed.values()] == [44.0, 44.0]
+  lengths = {s.seq_id: s.target_len for s in seqs}
+  ms = [stepsim.simulate(seqs, None, q, planner.ReleasePolicy(False), 2, 4, 5,
+                         kv=kv(lengths))['makespan_steps']
+        for q in ({0: [], 1: list(range(8))}, packed)]
+  assert ms[1] == 43 < ms[0]

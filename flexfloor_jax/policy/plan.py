@@ -38,7 +38,9 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
   device-steps alone.
   `kv`: paged KV, (predicted lengths by seq id) -> a fresh policy.pages.PagePool with max_seqs =
-  slots_per_worker: the flexfloor placement simulates its candidates on it."""
+  slots_per_worker: the flexfloor placement simulates its candidates on it, and the balanced and
+  flexfloor placements (and placement='balanced''s predicted makespan) estimate a worker's finish
+  from its pool (scheduler.PoolLoad: rows and reserved page-steps) instead of lanes."""
   if schedule not in SCHEDULES:
     raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
   if placement not in PLACEMENTS:
@@ -64,11 +66,17 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
   if schedule == "balanced" or flex and placement == "balanced":
     q90 = prediction.predict(history, seqs, quantile=0.9)
-    queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker)
+    # paged KV: a worker's finish from its pool (rows and reserved page-steps), not lanes
+    load = scheduler.PoolLoad(seqs, q90, kv, steps_per_dispatch) if kv is not None else None
+    queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker, pool=load)
   if flex and placement == "balanced":
     by_id = dict(zip((s.seq_id for s in seqs), q90))
-    makespan = max(planner.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
-                   for v in queues.values())
+    if load is not None:
+      index = {s.seq_id: i for i, s in enumerate(seqs)}
+      makespan = max(load.finish([index[q] for q in v]) for v in queues.values())
+    else:
+      makespan = max(planner.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
+                     for v in queues.values())
     policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True, predicted_makespan_steps=makespan, **timed)

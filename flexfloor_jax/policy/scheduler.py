@@ -23,15 +23,78 @@ def static_placement(seqs: list[Seq], workers: list[int]) -> dict[int, list[int]
   return {int(w): [seqs[i].seq_id for i in c] for w, c in zip(workers, chunks)}
 
 
+class PoolLoad:
+  """Paged KV: a worker's predicted finish from its page pool, not from lanes alone.
+
+  On a pool, concurrency is limited by pages: admission reserves, for every live sequence, the
+  pages of its prompt + predicted response x (1 + margin) (PagePool.reservation) and the rows are
+  max_seqs. A worker given n sequences i (predicted length p_i, reservation r_i pages) is
+  predicted to finish at
+    n + max(LPT of the p_i onto its max_seqs rows, sum of r_i p_i / the pool's pages)
+  (n: each admission is a prefill step in which none of its live rows decodes; the second term:
+  its reserved page-steps, were its pool kept full). Built from the rollout's pool factory `kv`
+  (predicted lengths by seq id -> a fresh PagePool) with the placement's own predictions;
+  `steps_per_dispatch` as the controller admits with."""
+
+  def __init__(self, seqs: list[Seq], predicted, kv, steps_per_dispatch: int = 8):
+    pred = np.asarray(predicted, float)
+    pool = kv({s.seq_id: float(p) for s, p in zip(seqs, pred)})
+    self.pages, self.rows = float(pool.num_pages), int(pool.max_seqs)
+    self.reserve = np.array([pool.reservation(s, 0, steps_per_dispatch) for s in seqs], float)
+    self.pred = pred
+    self.work = self.reserve * pred  # reserved page-steps per sequence
+
+  def empty(self):
+    """A worker's load: [row heap of finish times, reserved page-steps, sequences]."""
+    return [[0.0] * self.rows, 0.0, 0]
+
+  def finish_with(self, load, i, p=None) -> float:
+    """Predicted finish of a worker with load `load` once it also runs sequence i (length p,
+    default its prediction)."""
+    p = self.pred[i] if p is None else p
+    return load[2] + 1 + max(load[0][0] + p, max(load[0]),
+                             (load[1] + self.reserve[i] * p) / self.pages)
+
+  def add(self, load, i, p=None) -> None:
+    p = self.pred[i] if p is None else p
+    heapq.heapreplace(load[0], load[0][0] + p)
+    load[1] += self.reserve[i] * p
+    load[2] += 1
+
+  def finish(self, indices) -> float:
+    """Predicted finish of a worker given the sequences `indices` (in queue order)."""
+    load = self.empty()
+    for i in indices:
+      self.add(load, i)
+    return load[2] + max(load[0] + [load[1] / self.pages])
+
+  def bound(self, num_workers: int) -> float:
+    """No worker can finish before the longest prediction, nor all before the page-steps spread
+    evenly over every pool (plus their admissions)."""
+    n = len(self.pred)
+    return max(float(self.pred.max()) + 1,
+               float(self.work.sum()) / (num_workers * self.pages) + n / num_workers)
+
+
 def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
-                       slots_per_worker: int) -> dict[int, list[int]]:
+                       slots_per_worker: int, *, pool: PoolLoad | None = None
+                       ) -> dict[int, list[int]]:
   """The strong baseline: longest predicted first, each onto the worker whose list-scheduled finish
   (LPT over its B slots) grows least; samples of one prompt may go to different workers. Queues
   are longest first, so with a shared queue at run time every free slot takes the longest work
-  still waiting."""
+  still waiting.
+  pool (paged KV, a PoolLoad): each onto the worker whose predicted finish on its pool
+  (PoolLoad.finish_with: rows and reserved page-steps) is least after taking it."""
   pred = np.asarray(predicted, float)
-  lanes = {int(w): [0.0] * slots_per_worker for w in workers}
   queues: dict[int, list[int]] = {int(w): [] for w in workers}
+  if pool is not None:
+    loads = {int(w): pool.empty() for w in workers}
+    for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
+      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i, pred[i]), v))
+      pool.add(loads[w], i, pred[i])
+      queues[w].append(seqs[i].seq_id)
+    return queues
+  lanes = {int(w): [0.0] * slots_per_worker for w in workers}
   for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
     w = min(lanes, key=lambda v: (lanes[v][0] + pred[i], v))
     heapq.heapreplace(lanes[w], lanes[w][0] + pred[i])
@@ -39,12 +102,29 @@ def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
   return queues
 
 
-def _pack(order, pred, chain, B, cap):
+def _pack(order, pred, chain, B, cap, pool=None):
   """First-fit decreasing from the chain's tail: each worker takes the longest remaining seqs that
   keep its list-scheduled finish (LPT onto B slots) <= cap; what fits nowhere goes where it grows
-  a worker's finish least. Queue order = longest first."""
+  a worker's finish least. Queue order = longest first. pool (a PoolLoad): the finish on the
+  worker's page pool instead (PoolLoad.finish_with)."""
   left = list(order)
   queues = {w: [] for w in chain}
+  if pool is not None:
+    loads = {w: pool.empty() for w in chain}
+    for w in reversed(chain):
+      rest = []
+      for i in left:
+        if pool.finish_with(loads[w], i, pred[i]) <= cap:
+          pool.add(loads[w], i, pred[i])
+          queues[w].append(i)
+        else:
+          rest.append(i)
+      left = rest
+    for i in left:
+      w = min(chain, key=lambda v: (pool.finish_with(loads[v], i, pred[i]), -chain.index(v)))
+      pool.add(loads[w], i, pred[i])
+      queues[w].append(i)
+    return queues
   heaps = {w: [0.0] * B for w in chain}
   for w in reversed(chain):
     h = heaps[w]
@@ -85,7 +165,9 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
       a release never pushes the predicted completion later, so it is on time).
   Queues are longest-predicted first. Mispredictions are left to compaction and work stealing.
   kv: paged KV, a function (predicted lengths by seq id) -> a fresh policy.pages.PagePool whose
-  max_seqs is slots_per_worker; every candidate (and the balanced budget) is then simulated on it.
+  max_seqs is slots_per_worker; every candidate (and the balanced budget) is then simulated on it,
+  and the balanced budget, `_pack` and head-light's tail estimate a worker's finish from its pool
+  (PoolLoad: rows and reserved page-steps) instead of B lanes.
 
   Lateness: with `late_tol` None, a candidate is late if it is later than the budget in any
   scenario. With a tolerance, its mean makespan over the scenarios must stay within the mean budget
@@ -116,9 +198,11 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
       ms.append(m['makespan_steps'])
     return {'device_steps': ds, 'makespan_steps': np.asarray(ms, float)}
 
+  # paged KV: a worker's finish from its pool (rows and reserved page-steps), not B lanes
+  load = PoolLoad(seqs, pred, kv, steps_per_dispatch) if kv else None
   static_q = static_placement(seqs, sorted(workers_chain))
   ms_static = sim(static_q, enabled=False)['makespan_steps']  # the baseline never releases
-  bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B)
+  bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B, pool=load)
   ms_bal = np.zeros(len(worlds))
   for j, L in enumerate(worlds):  # the balanced schedule: full width, shared queue
     pol = planner.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
@@ -127,10 +211,13 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
                                  kv=kv(plens) if kv else None)['makespan_steps']
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))  # ties keep groups together
   lo = max(float(pred.max()), float(pred.sum()) / (N * B))
+  if load is not None:
+    lo = max(lo, load.bound(N))
   ms_budget = ms_bal * (1.0 + makespan_slack)
   cands = []
   for c in np.unique(np.linspace(lo, max(lo, ms_budget.mean()), num_candidates).round()):
-    cands.append((float(c), _pack(order, pred.astype(float), list(workers_chain), B, float(c))))
+    cands.append((float(c), _pack(order, pred.astype(float), list(workers_chain), B, float(c),
+                                  pool=load)))
   # head-light: the first h workers get B seqs each and no queue (no refill prefill steps while
   # many workers are active); the rest is LPT-balanced over the tail
   for h in range(1, N):
@@ -140,11 +227,18 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     for j, w in enumerate(workers_chain[:h]):
       qi[w] = list(order[len(order) - B * (j + 1):len(order) - B * j])
     tail = list(workers_chain[h:])
-    lanes = {w: [0.0] * B for w in tail}
-    for i in order[:len(order) - B * h]:
-      w = min(tail, key=lambda v: (lanes[v][0] + pred[i], -tail.index(v)))
-      heapq.heapreplace(lanes[w], lanes[w][0] + pred[i])
-      qi[w].append(i)
+    if load is not None:
+      loads = {w: load.empty() for w in tail}
+      for i in order[:len(order) - B * h]:
+        w = min(tail, key=lambda v: (load.finish_with(loads[v], i), -tail.index(v)))
+        load.add(loads[w], i)
+        qi[w].append(i)
+    else:
+      lanes = {w: [0.0] * B for w in tail}
+      for i in order[:len(order) - B * h]:
+        w = min(tail, key=lambda v: (lanes[v][0] + pred[i], -tail.index(v)))
+        heapq.heapreplace(lanes[w], lanes[w][0] + pred[i])
+        qi[w].append(i)
     cands.append((f'head{h}', qi))
   # sorted equal chunks: the head gets the shortest predicted sequences (no packing at all)
   chunks = np.array_split(np.asarray(order[::-1]), N)
