@@ -67,7 +67,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   if schedule == "balanced" or flex and placement == "balanced":
     q90 = prediction.predict(history, seqs, quantile=0.9)
     # paged KV: a worker's finish from its pool (rows and reserved page-steps), not lanes
-    load = scheduler.PoolLoad(seqs, q90, kv, steps_per_dispatch) if kv is not None else None
+    load = scheduler.PoolLoad.for_pool(seqs, q90, kv, steps_per_dispatch)
     queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker, pool=load)
   if flex and placement == "balanced":
     by_id = dict(zip((s.seq_id for s in seqs), q90))

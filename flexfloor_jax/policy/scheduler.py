@@ -44,6 +44,20 @@ class PoolLoad:
     self.pred = pred
     self.work = self.reserve * pred  # reserved page-steps per sequence
 
+  def binds(self) -> bool:
+    """Whether pages can ever stop an admission: not when every row may hold the largest
+    reservation at once. Otherwise rows alone limit a worker, as fixed slots do, and the lane
+    model is the placement's estimate (`for_pool` returns None)."""
+    return bool(self.rows * self.reserve.max(initial=0.0) > self.pages)
+
+  @classmethod
+  def for_pool(cls, seqs, predicted, kv, steps_per_dispatch: int = 8) -> "PoolLoad | None":
+    """A PoolLoad where the pool `kv` can bind, else None (place by lanes)."""
+    if kv is None:
+      return None
+    load = cls(seqs, predicted, kv, steps_per_dispatch)
+    return load if load.binds() else None
+
   def empty(self):
     """A worker's load: [row heap of finish times, reserved page-steps, sequences]."""
     return [[0.0] * self.rows, 0.0, 0]
@@ -199,7 +213,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     return {'device_steps': ds, 'makespan_steps': np.asarray(ms, float)}
 
   # paged KV: a worker's finish from its pool (rows and reserved page-steps), not B lanes
-  load = PoolLoad(seqs, pred, kv, steps_per_dispatch) if kv else None
+  load = PoolLoad.for_pool(seqs, pred, kv, steps_per_dispatch)
   static_q = static_placement(seqs, sorted(workers_chain))
   ms_static = sim(static_q, enabled=False)['makespan_steps']  # the baseline never releases
   bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B, pool=load)
