@@ -214,3 +214,17 @@ def test_pool_aware_pack_spreads_what_lanes_stack():
                          kv=kv(lengths))['makespan_steps']
         for q in ({0: [], 1: list(range(8))}, packed)]
   assert ms[1] == 43 < ms[0]
+
+
+def test_pool_load_only_where_pages_can_bind():
+  """PoolLoad.for_pool: the hand case's pools (4 rows, 16 pages, a 40 reserving 11) can stop an
+  admission, so placement goes by the pool; a pool of 4 x 11 = 44 pages cannot (every row may
+  hold the largest reservation), so placement keeps the lanes (None), as on fixed slots."""
+  from flexfloor_jax.policy.pages import PagePool
+  seqs, pred, kv = _two_long_six_short()
+  assert isinstance(scheduler.PoolLoad.for_pool(seqs, pred, kv, 5), scheduler.PoolLoad)
+  roomy = lambda p: PagePool(2, 44, 4, 4, predicted=p, margin=0.0)
+  assert scheduler.PoolLoad.for_pool(seqs, pred, roomy, 5) is None
+  tight = lambda p: PagePool(2, 43, 4, 4, predicted=p, margin=0.0)
+  assert isinstance(scheduler.PoolLoad.for_pool(seqs, pred, tight, 5), scheduler.PoolLoad)
+  assert scheduler.PoolLoad.for_pool(seqs, pred, None, 5) is None
