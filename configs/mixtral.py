@@ -22,6 +22,10 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # MoE kernels: 'auto' (Pallas on TPU and CUDA GPUs, XLA on CPU, where the XLA path is the fast
   # one) | 'xla' | 'pallas' (on CPU in interpret mode: a parity check, slow)
   c.model.moe_backend = "auto"
+  # Paged decode attention (rollout.kv='paged' only): 'xla' (gather the pages, then the model's
+  # attention) | 'pallas' (JAX's paged-attention kernels: Mosaic TPU, Triton on CUDA GPUs; on CPU
+  # interpreted, a parity check; no sliding window; the TPU kernel reads k/v as bfloat16)
+  c.model.attention_backend = "xla"
   # KV cache length (prompt + response); 0 = what the run needs: the longest prompt +
   # rollout.max_new_tokens, capped by the model's max_position_embeddings
   c.model.max_seq_len = 0

@@ -145,6 +145,9 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
     model_cfg = model_config(config)
   if tokenizer is None:
     tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
+  if config.model.attention_backend == "pallas" and model_cfg.sliding_window:
+    raise RolloutError(f"model.attention_backend: 'pallas' takes no sliding window (the model's "
+                       f"is {model_cfg.sliding_window} tokens); use 'xla'")
   prompts = load_prompts(config, tokenizer, model_cfg.bos_id)
   seq_len = resolve_max_seq_len(config, prompts, model_cfg)
   check_prompts(config, prompts, model_cfg, seq_len)
@@ -210,7 +213,7 @@ def engine_spec(config: settings.Settings, prep: Prepared):
       sampling=SamplingParams(config.sampling.temperature, config.sampling.top_p,
                               config.sampling.top_k),
       moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes, kv=r.kv,
-      page_size=r.page_size,
+      page_size=r.page_size, attention_backend=config.model.attention_backend,
       num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0)
 
 

@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable, Optional
 
 from flexfloor_jax.config_reader import DTYPES, EXCHANGES, ConfigError, Reader  # noqa: F401
-from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS
+from flexfloor_jax.model.config import ATTENTION_BACKENDS, MOE_BACKENDS, PRESETS
 from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.policy.pages import pages_for
@@ -35,6 +35,7 @@ class ModelSettings:
   checkpoint: str  # '' = random init
   dtype: str
   moe_backend: str
+  attention_backend: str  # paged decode attention: 'xla' | 'pallas' (rollout.kv='paged' only)
   max_seq_len: int  # 0 = the longest prompt + rollout.max_new_tokens (the runner)
   init_seed: int
   init_scale: float
@@ -117,7 +118,10 @@ def _model(c) -> ModelSettings:
     r.fail("max_seq_len", "0 (the longest prompt + rollout.max_new_tokens, capped by the "
            "model's max_position_embeddings) or an integer > 1", seq)
   return ModelSettings(checkpoint=r.text("checkpoint"), dtype=dtype,
-                       moe_backend=r.choice("moe_backend", MOE_BACKENDS), max_seq_len=int(seq),
+                       moe_backend=r.choice("moe_backend", MOE_BACKENDS),
+                       attention_backend=r.choice("attention_backend", ATTENTION_BACKENDS,
+                                                  default="xla"),
+                       max_seq_len=int(seq),
                        init_seed=r.int("init_seed", 0), init_scale=r.num("init_scale"),
                        exchange=r.choice("exchange", EXCHANGES, default="auto"))
 
@@ -341,6 +345,9 @@ def load(config, entry: str = "rollout") -> Settings:
     raise ConfigError(f"rollout.max_prompt_len={ro.max_prompt_len} exceeds model.max_seq_len="
                       f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "
                       "cache of max_seq_len)")
+  if m.attention_backend == "pallas" and ro.kv != "paged":
+    raise ConfigError("model.attention_backend: 'pallas' is the paged decode's kernel; it needs "
+                      f"rollout.kv='paged' (got rollout.kv={ro.kv!r})")
   if ro.kv == "paged" and m.max_seq_len and ro.kv_pages and (
       ro.kv_pages < pages_for(m.max_seq_len, ro.page_size)):
     raise ConfigError(f"rollout.kv_pages={ro.kv_pages} of rollout.page_size={ro.page_size} "

@@ -131,6 +131,35 @@ def test_paged_tokens_equal_fixed_slots(params, greedy_slots, tmp_path):
   assert_pool_conserved(s)
 
 
+def test_pallas_paged_attention_gives_the_xla_tokens(params, tmp_path):
+  """model.attention_backend='pallas' (JAX's paged-attention kernel; on CPU the Triton kernel,
+  interpreted) in the engine's paged decode: the greedy tokens of the XLA path, log-probs within
+  1e-4 (another implementation: the kernel's online softmax in another order)."""
+  c = greedy_config()
+  c.rollout.kv = "paged"
+  c.rollout.num_prompts, c.rollout.samples_per_prompt, c.rollout.max_new_tokens = 2, 2, 8
+  c.mesh.num_devices = 2
+  out = {}
+  for backend in ("xla", "pallas"):
+    c.model.attention_backend = backend
+    out[backend] = run(c, params, tmp_path, backend)
+  a, b = by_key(out["xla"]), by_key(out["pallas"])
+  assert a.keys() == b.keys() and len(a) == 4
+  d = 0.0
+  for k in a:
+    assert a[k]["tokens"] == b[k]["tokens"], k
+    d = max(d, float(np.abs(np.subtract(a[k]["logprobs"], b[k]["logprobs"])).max()))
+  print(f"pallas vs xla paged attention: log-prob max |diff| {d:.3g}")
+  assert 0 < d <= 1e-4  # not 0: the kernel ran, not the reference
+  c.model.attention_backend = "pallas"
+  with pytest.raises(runner.RolloutError, match="^model.attention_backend: .*sliding window"):
+    runner.prepare(settings.load(c), devices=jax.devices()[:2],
+                   model_cfg=MODEL.replace(sliding_window=16))
+  c.rollout.kv = "slots"
+  with pytest.raises(settings.ConfigError, match="^model.attention_backend: 'pallas'.*rollout.kv"):
+    settings.load(c)
+
+
 def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_path):
   """A pool of 6 pages (one longest sequence) per worker for 2 sequences of ~3 pages each:
   the youngest are preempted, recomputed by a prefill of prompt + their tokens, and finish

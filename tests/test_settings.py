@@ -113,6 +113,8 @@ BAD = [
     ("rollout", "mixtral", "model.dtype", "float64"),
     ("rollout", "mixtral", "model.dtype", "fp16x"),
     ("rollout", "mixtral", "model.moe_backend", "triton"),
+    ("rollout", "mixtral", "model.attention_backend", "triton"),
+    ("rollout", "mixtral", "model.attention_backend", "pallas"),  # needs rollout.kv='paged'
     ("rollout", "mixtral", "model.max_seq_len", 1),
     ("rollout", "mixtral", "model.max_seq_len", -1),
     ("rollout", "mixtral", "model.max_seq_len", "64"),

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
+from flexfloor_jax.model.config import ATTENTION_BACKENDS, ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, resolve_exchange
 from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.sampling import SamplingParams
@@ -45,6 +45,9 @@ class EngineSpec:
   kv: str = "slots"
   page_size: int = 16
   num_pages: int = 0  # pages per worker (paged KV)
+  # paged decode attention: 'xla' (kernels.paged_attention's reference) | 'pallas' (JAX's
+  # paged-attention kernels; interpreted on CPU)
+  attention_backend: str = "xla"
 
   def __post_init__(self):
     if self.kv not in ("slots", "paged"):
@@ -52,6 +55,13 @@ class EngineSpec:
     if self.kv == "paged" and min(self.page_size, self.num_pages) < 1:
       raise ValueError(f"paged KV needs page_size and num_pages >= 1, got {self.page_size}, "
                        f"{self.num_pages}")
+    if self.attention_backend not in ATTENTION_BACKENDS:
+      raise ValueError(f"EngineSpec.attention_backend must be one of {ATTENTION_BACKENDS}, got "
+                       f"{self.attention_backend!r}")
+    if self.attention_backend == "pallas" and self.cfg.sliding_window:
+      raise ValueError("model.attention_backend='pallas': the Pallas paged-attention kernels "
+                       f"take no sliding window (the model's is {self.cfg.sliding_window}); "
+                       "use 'xla'")
 
   @property
   def paged(self) -> bool:
@@ -67,6 +77,15 @@ class EngineSpec:
     """Token columns of a resumed sequence's prefill (prompt + tokens made before it was
     preempted: fewer than max_seq_len)."""
     return self.max_seq_len
+
+  def paged_attention(self):
+    """The paged decode's attention function (model.paged.decode_paged's `attention`). 'pallas'
+    on CPU interprets the Triton kernel, which computes in the pool's dtype (the TPU kernel
+    rounds k/v to bfloat16): the parity check against 'xla' is then to fp32 rounding."""
+    from kernels import paged_attention as pa
+    if self.attention_backend == "pallas" and jax.default_backend() == "cpu":
+      return functools.partial(pa.paged_attention_gpu, interpret=True)
+    return functools.partial(pa.paged_attention, impl=self.attention_backend)
 
   def ep(self, n: int, tile_m: int) -> EPConfig:
     impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())

@@ -78,13 +78,14 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
   rows = jnp.arange(b)
   max_new = spec.max_new_tokens
+  attention = spec.paged_attention() if spec.paged else None
 
   def step(carry):
     st, sc, i, _, counts = carry
     live = sc.live
     if spec.paged:
       logits, pool, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens, sc.positions,
-                                       live, moe_fn=moe_fn)
+                                       live, moe_fn=moe_fn, attention=attention)
       kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
     else:
       logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,

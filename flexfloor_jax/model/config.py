@@ -67,6 +67,9 @@ def model_identity(cfg: ModelConfig) -> str:
 # imports no jax, so the CLIs check the name before jax starts.
 
 MOE_BACKENDS = ("auto", "xla", "pallas")
+# Paged decode attention (rollout.kv='paged'): 'xla' (gather the pages, the model's own attention)
+# | 'pallas' (JAX's paged-attention kernels: Mosaic TPU, Triton on CUDA; interpreted on CPU)
+ATTENTION_BACKENDS = ("xla", "pallas")
 
 # Platforms with compiled Pallas kernels, as jax names them: a CUDA device reports 'gpu'
 # (`Device.platform`, `jax.default_backend()`), a lowering names it 'cuda'.
