@@ -2,7 +2,8 @@
 `_gmm_mgpu`, Hopper wgmma): equal to the XLA path and to a float64 reference, zeros in unused tiles,
 gradients, bitwise batch invariance, and the EP MoE layer with backend='pallas'. The Pallas Triton
 permute and combine (`_permute_gpu`, `_combine_gpu`): bitwise equal to the XLA gather and to the
-combine's definition, and their gradients. Skipped without a GPU (CI); `scripts/device_check.sh`
+combine's definition, and their gradients. The Pallas Triton paged attention
+(`kernels/paged_attention.py`, impl='pallas') against its XLA reference. Skipped without a GPU (CI); `scripts/device_check.sh`
 runs it on a lent one. tests/test_kernels.py checks the same kernels in interpret mode and their
 lowering for cuda from a CPU machine."""
 
@@ -13,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_utils import combine_numpy
+from kernel_utils import combine_numpy, paged_attention_inputs
 from kernels.combine import combine, combine_xla
 from kernels.dispatch_plan import make_plan, padded_rows
 from kernels.grouped_matmul import grouped_matmul
+from kernels.paged_attention import paged_attention, paged_attention_xla
 from kernels.permute import permute, permute_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
@@ -250,3 +252,20 @@ def test_mosaic_gpu_gmm_k_steps_5_6_tile_128(k):
   outs = [np.asarray(_gmm(*args, **kw)) for _ in range(3)]
   for o in outs:
     assert _rel(o, ref) <= 1e-5, _rel(o, ref)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-4), (jnp.bfloat16, 1e-2)],
+                         ids=["f32", "bf16"])
+def test_paged_attention_triton_equals_reference(dtype, tol):
+  """The compiled Triton paged-attention kernel (what model.attention_backend='pallas' runs on a
+  CUDA GPU) against the XLA reference on ragged lengths and shuffled pages, in fp32 at the highest
+  matmul precision (another implementation: <= 1e-4) and in bf16; empty rows exactly 0."""
+  q, kp, vp, table, lengths = paged_attention_inputs(4, dtype)
+  with jax.default_matmul_precision("highest"):
+    got = jax.jit(lambda *a: paged_attention(*a, impl="pallas"))(q, kp, vp, table, lengths)
+    ref = jax.jit(paged_attention_xla)(*(x.astype(jnp.float32) if x.dtype == dtype else x
+                                         for x in (q, kp, vp, table, lengths)))
+  d = float(np.max(np.abs(np.asarray(got, np.float32) - np.asarray(ref))))
+  print(f"triton paged attention {jnp.dtype(dtype).name}: max|diff| {d:.3g}")
+  assert got.dtype == dtype and d <= tol
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[4], 0)

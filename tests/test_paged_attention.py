@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from engine_utils import TINY, make_params
+from kernel_utils import paged_attention_inputs
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
 from kernels import paged_attention as pa
@@ -180,27 +181,6 @@ def test_dead_rows_and_missing_pages_write_nothing():
 # -------------------------------------------------------------------------------------- kernels
 
 
-def _kernel_inputs(seed, dtype, *, heads=8, kv_heads=2, head_dim=32, page=8, pages=24, m=4,
-                   bf16_values=False):
-  """Ragged lengths: 1, exactly one page, mid-page, every position, empty, exactly two pages;
-  shuffled non-contiguous pages; entries past a row's length are -1 for some rows."""
-  rng = np.random.default_rng(seed)
-  lengths = np.array([1, page, page + 3, m * page, 0, 2 * page], np.int32)
-  b = len(lengths)
-  ks = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(ks[0], (b, heads, head_dim), jnp.float32)
-  kp = jax.random.normal(ks[1], (kv_heads, pages, page, head_dim), jnp.float32)
-  vp = jax.random.normal(ks[2], (kv_heads, pages, page, head_dim), jnp.float32)
-  if bf16_values:  # values the TPU kernel's bf16 rounding of k/v leaves unchanged
-    kp, vp = (x.astype(jnp.bfloat16).astype(jnp.float32) for x in (kp, vp))
-  table = rng.permutation(pages)[: b * m].reshape(b, m).astype(np.int32)
-  for r in (0, 2):
-    used = -(-lengths[r] // page)
-    table[r, used:] = -1
-  cast = lambda x: x.astype(dtype)
-  return cast(q), cast(kp), cast(vp), jnp.asarray(table), jnp.asarray(lengths)
-
-
 _ref = jax.jit(pa.paged_attention_xla)
 _tpu_interp = jax.jit(functools.partial(pa.paged_attention_tpu, interpret=True))
 _gpu_interp = jax.jit(functools.partial(pa.paged_attention_gpu, interpret=True))
@@ -216,7 +196,8 @@ def test_pallas_kernels_equal_reference_fp32(kernel, seed):
   """fp32, GQA 8 heads over 2 kv heads: the kernels differ from the reference in where 1/sqrt(D)
   is applied and in the online softmax's order, so <= 1e-4. The TPU kernel rounds k/v to bf16:
   given bf16-valued pages here (bf16 pools are the bf16 case below). Empty rows are exactly 0."""
-  q, kp, vp, table, lengths = _kernel_inputs(seed, jnp.float32, bf16_values=kernel == "tpu")
+  q, kp, vp, table, lengths = paged_attention_inputs(seed, jnp.float32,
+                                                     bf16_values=kernel == "tpu")
   ref = _ref(q, kp, vp, table, lengths)
   got = (_tpu_interp if kernel == "tpu" else _gpu_interp)(q, kp, vp, table, lengths)
   d = _maxdiff(got, ref)
@@ -231,7 +212,7 @@ def test_pallas_kernels_bf16(kernel):
   """bf16 pages and queries: the kernels compute in fp32 and round once; the reference (the
   model's attention) rounds scores and probabilities to bf16 on the way. Both are compared with
   the reference in fp32 on the same bf16 values."""
-  q, kp, vp, table, lengths = _kernel_inputs(2, jnp.bfloat16)
+  q, kp, vp, table, lengths = paged_attention_inputs(2, jnp.bfloat16)
   ref32 = _ref(*(x.astype(jnp.float32) for x in (q, kp, vp)), table, lengths)
   got = (_tpu_interp if kernel == "tpu" else _gpu_interp)(q, kp, vp, table, lengths)
   ref16 = _ref(q, kp, vp, table, lengths)
@@ -244,7 +225,7 @@ def test_pallas_kernels_bf16(kernel):
 def test_dispatcher_and_sliding_window_refused():
   """impl='pallas' with interpret runs the TPU kernel; without it on CPU, the XLA reference
   (bitwise); the kernels refuse a sliding window rather than ignore it."""
-  q, kp, vp, table, lengths = _kernel_inputs(3, jnp.float32, bf16_values=True)
+  q, kp, vp, table, lengths = paged_attention_inputs(3, jnp.float32, bf16_values=True)
   via = jax.jit(functools.partial(pa.paged_attention, impl="pallas", interpret=True))
   np.testing.assert_array_equal(np.asarray(via(q, kp, vp, table, lengths)),
                                 np.asarray(_tpu_interp(q, kp, vp, table, lengths)))
