@@ -186,6 +186,19 @@ def rollout_config():
   return c
 
 
+def rollout_spec(cfg, **changes) -> engine_lib.EngineSpec:
+  """The EngineSpec that runner.run builds for rollout_config() with flexfloor on 8 devices
+  (floor 1: 8 expert slots per worker), with `changes`: an engine a test builds by hand on it
+  runs the executables the runner tests compiled (the same programs on the same meshes: found in
+  the persistent compilation cache) instead of compiling its own."""
+  import dataclasses
+
+  from flexfloor_jax import runner, settings
+  st = settings.load(rollout_config())
+  prep = runner.prepare(st, devices=jax.devices()[:8], model_cfg=cfg)
+  return dataclasses.replace(runner.engine_spec(st, prep), **changes)
+
+
 def long_tailed_lengths(c, path):
   """A lengths file with a long tail within max_new_tokens (the default workload's median of 64
   would cap every response at rollout_config's 32 tokens): one straggler at the cap, the rest

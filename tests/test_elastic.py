@@ -3,7 +3,6 @@
 import gc
 import json
 import logging
-import math
 
 import jax
 import numpy as np
@@ -19,7 +18,6 @@ from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.sampling import SamplingParams
 
 MODEL = PRESETS["tiny"].replace(num_layers=2)
 
@@ -88,13 +86,12 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
 
 def test_release_moves_only_released_experts_and_keeps_buffers(params):
   """Shrink 8 -> 6 with two live workers left alone: bytes sent = the released workers'
-  experts, measured from the transfers; the survivors' buffers are the same buffers."""
+  experts, measured from the transfers; the survivors' buffers are the same buffers. (The
+  runner's flexfloor spec: its executables are compiled already.)"""
   devices = jax.devices()[:8]
   chain = list(range(8))
-  spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=4, max_seq_len=96,
-                               max_prompt_len=48, max_new_tokens=32,
-                               sampling=SamplingParams(1.0, 1.0, 0))
-  placement = ExpertPlacement.initial(MODEL.num_experts, chain, 4, num_workers=8)
+  spec = engine_utils.rollout_spec(MODEL)
+  placement = ExpertPlacement.initial(MODEL.num_experts, chain, spec.expert_slots, num_workers=8)
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=0,
                           prefetch_sizes=[6])
   rng = np.random.default_rng(0)
@@ -370,27 +367,26 @@ def _live_bytes(exclude):
 
 
 def test_live_bytes_match_the_floor_at_every_mesh_size(params):
-  """Every mesh size of the tiny preset from 8 workers down to the floor, by the engine's own
-  releases: each active device holds the floor's resident bytes (non-expert + its expert slots +
-  KV and slot state) within a small margin (the movers' slot-index scalars), whatever meshes were
-  built before; each released device holds nothing of the rollout."""
+  """Every mesh size of the tiny preset from 8 workers down to the floor (1: the runner's
+  flexfloor spec, every expert on one worker; its executables are compiled already), by the
+  engine's own releases: each active device holds the floor's resident bytes (non-expert + its
+  expert slots + KV and slot state) within a small margin (the movers' slot-index scalars),
+  whatever meshes were built before; each released device holds nothing of the rollout."""
   gc.collect()
   before = jax.live_arrays()  # kept alive to the end: the test's own arrays (params)
   devices, chain, e = jax.devices()[:8], list(range(8)), MODEL.num_experts
   terms = memory.floor_terms(MODEL, slots_per_worker=2, max_seq_len=96, max_new_tokens=32)
-  slots = math.ceil(e / 2)
-  assert terms.floor(e, terms.per_device(slots), 8) == 2  # a budget whose floor is 2 workers
-  spec = engine_lib.EngineSpec(cfg=MODEL, slots_per_worker=2, expert_slots=slots, max_seq_len=96,
-                               max_prompt_len=48, max_new_tokens=32,
-                               sampling=SamplingParams(1.0, 1.0, 0), warm_up=False)
+  spec = engine_utils.rollout_spec(MODEL, warm_up=False)
+  slots = spec.expert_slots
+  assert slots == e and terms.floor(e, terms.per_device(slots), 8) == 1  # the floor: 1 worker
   placement = ExpertPlacement.initial(e, chain, slots, num_workers=8)
   host_params = jax.tree.map(np.asarray, params)  # no device buffer that the engine could alias
   eng = engine_lib.Engine(spec, host_params, devices, chain, placement, seed=0,
-                          prefetch_sizes=range(7, 1, -1))
+                          prefetch_sizes=range(7, 0, -1))
   eng.steps.wait_all()
   want = terms.resident(slots)
   margin = 4 * (slots + spec.slots_per_worker) + 64  # int32 slot indices of the movers
-  for n in range(8, 1, -1):
+  for n in range(8, 0, -1):
     if n < 8:
       eng.shrink(chain[8 - n:])
     jax.block_until_ready((eng.experts, eng.state))
@@ -400,7 +396,7 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
       assert abs(live[devices[w].id] - want) <= margin, (n, w, live[devices[w].id], want)
     for w in chain[:8 - n]:
       assert live.get(devices[w].id, 0) <= margin, (n, w, live.get(devices[w].id))
-  assert eng.active == chain[6:]
+  assert eng.active == chain[7:]
 
 
 def test_move_rounds_use_each_device_once_each_way():
