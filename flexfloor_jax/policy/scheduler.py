@@ -62,15 +62,14 @@ class PoolLoad:
     """A worker's load: [row heap of finish times, reserved page-steps, sequences]."""
     return [[0.0] * self.rows, 0.0, 0]
 
-  def finish_with(self, load, i, p=None) -> float:
-    """Predicted finish of a worker with load `load` once it also runs sequence i (length p,
-    default its prediction)."""
-    p = self.pred[i] if p is None else p
+  def finish_with(self, load, i) -> float:
+    """Predicted finish of a worker with load `load` once it also runs sequence i."""
+    p = self.pred[i]
     return load[2] + 1 + max(load[0][0] + p, max(load[0]),
                              (load[1] + self.reserve[i] * p) / self.pages)
 
-  def add(self, load, i, p=None) -> None:
-    p = self.pred[i] if p is None else p
+  def add(self, load, i) -> None:
+    p = self.pred[i]
     heapq.heapreplace(load[0], load[0][0] + p)
     load[1] += self.reserve[i] * p
     load[2] += 1
@@ -97,15 +96,16 @@ def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
   (LPT over its B slots) grows least; samples of one prompt may go to different workers. Queues
   are longest first, so with a shared queue at run time every free slot takes the longest work
   still waiting.
-  pool (paged KV, a PoolLoad): each onto the worker whose predicted finish on its pool
-  (PoolLoad.finish_with: rows and reserved page-steps) is least after taking it."""
+  pool (paged KV, a PoolLoad of the same seqs and predictions): each onto the worker whose
+  predicted finish on its pool (PoolLoad.finish_with: rows and reserved page-steps) is least after
+  taking it."""
   pred = np.asarray(predicted, float)
   queues: dict[int, list[int]] = {int(w): [] for w in workers}
   if pool is not None:
     loads = {int(w): pool.empty() for w in workers}
     for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
-      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i, pred[i]), v))
-      pool.add(loads[w], i, pred[i])
+      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i), v))
+      pool.add(loads[w], i)
       queues[w].append(seqs[i].seq_id)
     return queues
   lanes = {int(w): [0.0] * slots_per_worker for w in workers}
@@ -128,15 +128,15 @@ def _pack(order, pred, chain, B, cap, pool=None):
     for w in reversed(chain):
       rest = []
       for i in left:
-        if pool.finish_with(loads[w], i, pred[i]) <= cap:
-          pool.add(loads[w], i, pred[i])
+        if pool.finish_with(loads[w], i) <= cap:
+          pool.add(loads[w], i)
           queues[w].append(i)
         else:
           rest.append(i)
       left = rest
     for i in left:
-      w = min(chain, key=lambda v: (pool.finish_with(loads[v], i, pred[i]), -chain.index(v)))
-      pool.add(loads[w], i, pred[i])
+      w = min(chain, key=lambda v: (pool.finish_with(loads[v], i), -chain.index(v)))
+      pool.add(loads[w], i)
       queues[w].append(i)
     return queues
   heaps = {w: [0.0] * B for w in chain}
