@@ -21,6 +21,26 @@ def same_responses(a: list[dict], b: list[dict]) -> bool:
   return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
 
 
+def paged(summary: dict) -> bool:
+  """Whether a run's summary.json is of the paged KV pool (rollout.kv='paged')."""
+  return summary.get("kv") == "paged"
+
+
+def lanes(summary: dict) -> int:
+  """Sequences a worker runs at once: the fixed slots, or the paged pool's rows."""
+  return summary["max_seqs_per_worker"] if paged(summary) else summary["slots_per_worker"]
+
+
+def pool_factory(c, summary: dict):
+  """Paged KV: (predicted lengths) -> a fresh PagePool built exactly as the runner built the run's
+  (kv_pool.make_pool from the run's rollout settings, workers and max_seq_len); None: fixed
+  slots."""
+  from flexfloor_jax.policy import kv_pool
+  if not paged(summary):
+    return None
+  return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])
+
+
 def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> dict:
   """The bound a workload sets: the balanced placement of the *actual* lengths (perfect
   knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
@@ -30,8 +50,7 @@ def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> di
   s = ff_result.summary
   lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
   by_id = {x.seq_id: x for x in seqs}
-  n = s["num_workers"]
-  b = s["max_seqs_per_worker"] if kv is not None else s["slots_per_worker"]
+  n, b = s["num_workers"], lanes(s)
   actual = [float(lengths[x.seq_id]) for x in seqs]
   queues = scheduler.balanced_placement(seqs, actual, list(range(n)), b)
   known = {q: float(v) for q, v in lengths.items()}
@@ -74,11 +93,9 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
   ep["ratio_balanced"] = ratios(ep["balanced"], st)
   ep["flexfloor_over_balanced"] = ratios(ep["flexfloor"], ep["balanced"])
   ff_c, ff_s = runs["flexfloor"][0][0], runs["flexfloor"][0][1].summary
-  kv = None
-  if ff_s.get("kv") == "paged":
-    from flexfloor_jax.policy import kv_pool
+  if paged(ff_s):
     ep["kv_pool"] = same_pool(ep, names)
-    kv = kv_pool.pool_factory(ff_c.rollout, ff_s["num_workers"], ff_s["max_seq_len"])
+  kv = pool_factory(ff_c, ff_s)
   ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st, ff_c.rollout.steps_per_dispatch, kv=kv)
   ep["makespan_speedup"] = {n: st["makespan_steps"] / ep[n]["makespan_steps"]
                             for n in names + ["bound"] if ep.get(n, {}).get("makespan_steps")}

@@ -20,6 +20,7 @@ import time
 
 from flexfloor_jax import cli
 from flexfloor_jax.bench import document
+from flexfloor_jax.bench.document import lanes, paged, pool_factory
 
 
 def get_bench_config(preset: str = "tiny"):
@@ -100,26 +101,6 @@ def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
       bar.update(1)
   bar.close()
   return runs
-
-
-def paged(summary: dict) -> bool:
-  """Whether a run's summary.json is of the paged KV pool (rollout.kv='paged')."""
-  return summary.get("kv") == "paged"
-
-
-def lanes(summary: dict) -> int:
-  """Sequences a worker runs at once: the fixed slots, or the paged pool's rows."""
-  return summary["max_seqs_per_worker"] if paged(summary) else summary["slots_per_worker"]
-
-
-def pool_factory(c, summary: dict):
-  """Paged KV: (predicted lengths) -> a fresh PagePool built exactly as the runner built the run's
-  (kv_pool.make_pool from the run's rollout settings, workers and max_seq_len); None: fixed
-  slots."""
-  from flexfloor_jax.policy import kv_pool
-  if not paged(summary):
-    return None
-  return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])
 
 
 def fixed_slot_kv_bytes(model_cfg, slots_per_worker: int, max_seq_len: int) -> int:
