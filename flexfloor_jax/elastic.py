@@ -198,6 +198,8 @@ def migrate(steps, devices: Sequence, active: Sequence[int], state, moves,
   Paged KV: `page_moves` gives each move's (source page ids, destination page ids), and only
   those pages move (migrate_paged)."""
   if page_moves is not None:
+    if jax.process_count() > 1:
+      return _migrate_paged_spmd(steps.get(len(active)), active, state, moves, page_moves)
     return migrate_paged(steps, devices, state, moves, page_moves)
   b = steps.spec.slots_per_worker
   tree = state.as_dict()
@@ -223,8 +225,6 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   device is both a source and a destination; else every page is taken before any is written, as
   the pool may hand a destination the pages another move's source just gave back. Movers the
   plan did not compile are compiled here. Returns (new state, KV bytes sent)."""
-  if jax.process_count() > 1:
-    raise NotImplementedError("paged KV: migration across processes is not implemented")
   touched = {devices[w] for sw, _, dw, _ in moves for w in (sw, dw)}
   rows = state.row_dict()
   rows, _ = _move_by_device(rows, rows, devices, moves, steps.row_movers(touched))
@@ -232,7 +232,7 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   pools = state.page_dict()
   shards = {k: shards_by_device(a) for k, a in pools.items()}
   on = lambda d: {k: b[d] for k, b in shards.items()}
-  if {m[0] for m in moves} & {m[2] for m in moves}:
+  if _holds_all(moves):
     batches = [list(range(len(moves)))]
   else:
     batches = [[i for _, i, _, _ in rnd] for rnd in
@@ -250,6 +250,45 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   pools = {k: assemble(shards[k], a.sharding, a.shape, a.dtype) for k, a in pools.items()}
   page_bytes = sum(a.nbytes // a.shape[2] for a in pools.values())
   return state.replace(**rows, **pools), int(page_bytes * sum(len(s) for s, _ in page_moves))
+
+
+def _holds_all(moves) -> bool:
+  """Must every page be taken before any is written? When a worker is both a source and a
+  destination: the pool may hand a destination the pages another move's source just gave back."""
+  return bool({m[0] for m in moves} & {m[2] for m in moves})
+
+
+def _migrate_paged_spmd(stepset, active: Sequence[int], state, moves, page_moves) -> tuple:
+  """migrate_paged by the mesh's SPMD steps (multi-controller, where a device_put between the
+  devices of two processes is not implemented): the rows by move_rows, the pages by
+  extract_pages on the sources, a ppermute over the mesh (route_rows) and insert_pages at the
+  destinations' page ids, in move_rounds. Every process runs the same rounds from the same plan.
+  Returns (new state, KV bytes sent: each move sends a block of pages_per_seq pages, its live
+  pages and padding)."""
+  pos = {w: i for i, w in enumerate(active)}
+  rows, _ = move_rows(stepset, "rows", state.row_dict(),
+                      [(pos[sw], s_, pos[dw], ds) for sw, s_, dw, ds in moves])
+  prog = stepset.page_programs()
+  n, m, pad = stepset.mesh.size, stepset.spec.pages_per_seq, stepset.spec.num_pages
+  devs = list(stepset.mesh.devices.reshape(-1))
+  pools = state.page_dict()
+  hold = _holds_all(moves)
+  pending, sent = [], 0
+  for rnd in move_rounds([(pos[sw], i, pos[dw], i) for i, (sw, _, dw, _) in enumerate(moves)]):
+    src, dst = np.full((n, m), pad, np.int32), np.full((n, m), pad, np.int32)
+    for sp, i, dp, _ in rnd:
+      src[sp, :len(page_moves[i][0])] = page_moves[i][0]
+      dst[dp, :len(page_moves[i][1])] = page_moves[i][1]
+    block = prog["extract_pages"](pools, jax.device_put(src, stepset.host_sharding))
+    routed = route_rows(block, {sp: devs[dp] for sp, _, dp, _ in rnd}, devs)
+    block = {k: reassemble(b, b.sharding, b.shape, routed[k]) for k, b in block.items()}
+    sent += len(rnd) * sum(b.nbytes // n for b in block.values())
+    pending.append((block, jax.device_put(dst, stepset.host_sharding)))
+    if not hold:
+      pools = prog["insert_pages"](pools, *pending.pop())
+  for block, ids in pending:
+    pools = prog["insert_pages"](pools, block, ids)
+  return state.replace(**rows, **pools), int(sent)
 
 
 @dataclasses.dataclass

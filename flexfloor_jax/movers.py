@@ -1,7 +1,7 @@
 """The compiled programs that move expert slots and sequence rows: SPMD extract / insert per mesh
 (compile_movers, compiled with each StepSet) and single-device take / put per device (SlotMovers,
-RowMovers; PageMovers for the pages of a paged KV pool). elastic.py decides nothing either: it
-runs these for a release or a migration."""
+RowMovers; PageMovers for the pages of a paged KV pool, and their SPMD form compile_page_movers).
+elastic.py decides nothing either: it runs these for a release or a migration."""
 
 from __future__ import annotations
 
@@ -59,6 +59,37 @@ def compile_movers(stepset) -> dict:
   # No placeholder buffers per mesh: a mover that needs filler rows takes them from its own
   # extract, so a mesh's build leaves nothing on its devices that the memory floor does not count.
   return out
+
+
+def _take_pages_local(pools, ids_1M):
+  ids = jnp.clip(ids_1M[0], 0, next(iter(pools.values())).shape[2] - 1)
+  return {k: jnp.take(x, ids, axis=2) for k, x in pools.items()}
+
+
+def _put_pages_local(pools, pages, ids_1M):
+  return {k: x.at[:, :, ids_1M[0]].set(pages[k], mode="drop") for k, x in pools.items()}
+
+
+def compile_page_movers(stepset) -> dict:
+  """Paged KV, multi-controller: SPMD extract / insert of up to pages_per_seq pages per worker
+  on this mesh. Page ids [N, pages_per_seq], one row per worker (local ids; entries >= num_pages
+  are padding: extract reads the last page, insert writes nothing); "taken_pages" is the
+  abstract block one extract returns, pages_per_seq pages per worker."""
+  mesh = stepset.mesh
+  pools = stepset.abstract_state.page_dict()
+  specs = {k: v.sharding.spec for k, v in pools.items()}
+  w = mesh_lib.batch_spec(2)
+  ids_abs = jax.ShapeDtypeStruct((mesh.size, stepset.spec.pages_per_seq), jnp.int32,
+                                 sharding=mesh_lib.named(mesh, w))
+  ext = jax.jit(jax.shard_map(_take_pages_local, mesh=mesh, in_specs=(specs, w),
+                              out_specs=specs, check_vma=False))
+  taken_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=pools[k].sharding)
+               for k, v in jax.eval_shape(ext, pools, ids_abs).items()}
+  ins = jax.jit(jax.shard_map(_put_pages_local, mesh=mesh, in_specs=(specs, specs, w),
+                              out_specs=specs, check_vma=False), donate_argnums=0)
+  return {"extract_pages": ext.lower(pools, ids_abs).compile(),
+          "insert_pages": ins.lower(pools, taken_abs, ids_abs).compile(),
+          "taken_pages": taken_abs}
 
 
 class SlotMovers:

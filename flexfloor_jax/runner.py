@@ -167,7 +167,6 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   # the floor's terms from the shapes the engine allocates (flexfloor_jax/memory.py)
   try:
     terms = memory.terms_for_config(config, model_cfg, seq_len)
-    kv_pool.check_supported(config, jax.process_count())
   except kv_pool.KVPoolError as err:
     raise RolloutError(str(err)) from None
   paged = r.kv == "paged"

@@ -1,9 +1,9 @@
 """Multi-controller rollouts: 2 processes x 4 emulated CPU devices (gloo collectives over
 loopback, `python -m flexfloor_jax.launch`) give responses token-identical to one process with 8
-devices, for static and flexfloor; flexfloor's releases cross the host boundary (workers 0-3 live
-on process 0, 4-7 on process 1: process 0's workers are all released and its experts move to
-process 1, after which process 0 follows the control loop without devices, through the
-key-value store).
+devices, for flexfloor on the fixed-slot cache and on the paged pool; flexfloor's releases cross
+the host boundary (workers 0-3 live on process 0, 4-7 on process 1: process 0's workers are all
+released and its experts move to process 1, after which process 0 follows the control loop
+without devices, through the key-value store).
 """
 
 import json
@@ -77,24 +77,32 @@ def test_launch_timeout(tmp_path):
   assert proc.returncode == 124 and "timeout" in proc.stderr
 
 
+PAGED = SMALL + ["--config.rollout.kv=paged"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["static"])
-def test_two_processes_match_one(tmp_path, schedule):
-  """pow2 release sizes (every smaller mesh inside one process). flexfloor runs below with the
-  default sizes, whose releases also cross the process boundary (and leave process 0 without
-  devices), so one flexfloor case covers both."""
+def test_two_processes_match_one_paged(tmp_path):
+  """flexfloor on the paged KV pool, pow2 release sizes (8 -> 2 -> 1 here): live sequences
+  migrate before the release onto 2 workers, their pages moved by the SPMD page movers over the
+  mesh that spans both processes (a ppermute), and preempted sequences are prefilled again;
+  token-identical to one process. (The fixed-slot cache runs across processes below, with every
+  release size.)"""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  _, t1 = _rollout(one, schedule, 1)
-  proc, t2 = _rollout(two, schedule, 2)
-  print(f"{schedule}: 1 process {t1:.1f}s, 2 processes {t2:.1f}s")
+  _, t1 = _rollout(one, "flexfloor", 1, PAGED)
+  proc, t2 = _rollout(two, "flexfloor", 2, PAGED)
+  print(f"paged flexfloor: 1 process {t1:.1f}s, 2 processes {t2:.1f}s")
   ref, s1 = _load(one)
   got, s2 = _load(two)
   assert [(r["prompt_id"], r["sample"]) for r in got] == [(r["prompt_id"], r["sample"]) for r in ref]
   for a, b in zip(ref, got):
     assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
     assert a["logprobs"] == b["logprobs"]
-  assert s2["generated_tokens"] == s1["generated_tokens"]
-  assert s2["device_steps"] == s1["device_steps"]
+  for k in ("generated_tokens", "device_steps", "num_migrations", "preemptions",
+            "kv_pages_allocated", "kv_peak_pages"):
+    assert s2[k] == s1[k], k
+  assert s1["kv"] == "paged" and s1["num_migrations"] > 0
+  # every move sends its live pages (one process) or a block of pages_per_seq pages (SPMD)
+  assert s2["kv_bytes_migrated"] >= s1["kv_bytes_migrated"] > 0
   # only process 0 writes outputs; each process writes its own log
   for k in (0, 1):
     assert os.path.isfile(os.path.join(two, f"process_{k}.log"))

@@ -79,9 +79,6 @@ def test_pool_size_from_the_config():
   c.model.max_seq_len = 0  # the runner's length: the pool is checked there
   with pytest.raises(kv_pool.KVPoolError, match="^rollout.kv_pages: .*96"):
     kv_pool.pages_per_worker(settings.load(c).rollout, 96)
-  kv_pool.check_supported(settings.load(c), 1)
-  with pytest.raises(kv_pool.KVPoolError, match="^rollout.kv: .*processes"):
-    kv_pool.check_supported(settings.load(c), 2)
 
 
 def greedy_config():
@@ -253,7 +250,18 @@ def drive(params, prompts, rows, moves_at, placeholder=False, grown=False):
   raise AssertionError("did not finish")
 
 
-def test_migration_moves_the_live_pages_into_the_pools_ids(params):
+@pytest.fixture(params=["devices", "spmd"])
+def page_path(request, monkeypatch):
+  """How a migration moves pages: single-device movers (one process), or the mesh's SPMD steps
+  that several processes use (elastic._migrate_paged_spmd; run here on one process)."""
+  if request.param == "spmd":
+    from flexfloor_jax import elastic
+    monkeypatch.setattr(elastic, "migrate_paged", lambda steps, devices, state, moves, pm:
+                        elastic._migrate_paged_spmd(steps.get(2), [0, 1], state, moves, pm))
+  return request.param
+
+
+def test_migration_moves_the_live_pages_into_the_pools_ids(params, page_path):
   """Engine level: a sequence decodes on worker 0, its table grows once more than the device
   has seen (growth before a dispatch that a migration comes before), then PagePool.move puts it
   on worker 1 at other page ids (a placeholder holds worker 1's first pages), and it finishes
@@ -267,7 +275,7 @@ def test_migration_moves_the_live_pages_into_the_pools_ids(params):
   assert len(ref[0].tokens) == 20
 
 
-def test_crossing_migrations_take_every_page_before_writing(params):
+def test_crossing_migrations_take_every_page_before_writing(params, page_path):
   """Sequences cross between the workers in one migration: worker 1 sends two (C, then B) and
   receives A, which the pool puts on the pages C just gave back. A device is a source twice, so
   C goes in a later round than A's write: the page movers must read every page first."""

@@ -101,6 +101,8 @@ class StepSet:
       self._compiled["decode"] = self._step_jit(decode_local, 2).lower(
           *self.decode_args_abstract()).compile()
       self._compiled.update(movers.compile_movers(self))
+      if self.spec.paged and jax.process_count() > 1:  # migrations move pages by SPMD steps
+        self._compiled.update(movers.compile_page_movers(self))
       # Multi-controller: the next collectives (warm-up, else the first step) are this mesh's
       # first, where gloo builds its communicator with a short timeout of its own; the processes
       # compile in different times, so they meet at a barrier (long timeout) first.
@@ -118,6 +120,14 @@ class StepSet:
       self._compiled["prefill_resume"] = self._step_jit(prefill_local, 1, width=w).lower(
           *self.prefill_args_abstract(w)).compile()
     return self._compiled["prefill_resume"]
+
+  def page_programs(self) -> dict:
+    """The SPMD page movers (movers.compile_page_movers): compiled with the mesh when several
+    processes run it (the only path that needs them), else at their first use."""
+    self.compile()
+    if "extract_pages" not in self._compiled:
+      self._compiled.update(movers.compile_page_movers(self))
+    return self._compiled
 
   def warm_up(self):
     """Run each executable once on placeholder inputs, with one live decode slot per worker and
@@ -143,6 +153,11 @@ class StepSet:
       t = jax.tree.map(zeros, tree)
       taken = self._compiled[f"extract_{group}"](t, idx)
       jax.block_until_ready(self._compiled[f"insert_{group}"](t, taken, idx))
+    if "extract_pages" in self._compiled:
+      t = jax.tree.map(zeros, self.abstract_state.page_dict())
+      ids = jax.device_put(np.zeros((n, m), np.int32), self.host_sharding)
+      taken = self._compiled["extract_pages"](t, ids)
+      jax.block_until_ready(self._compiled["insert_pages"](t, taken, ids))
 
   def __getitem__(self, name: str):
     return self.compile()._compiled[name]

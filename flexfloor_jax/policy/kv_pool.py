@@ -13,14 +13,6 @@ class KVPoolError(ValueError):
   """A pool that cannot hold what the run needs (the message names the config field)."""
 
 
-def check_supported(config, num_processes: int) -> None:
-  """Paged KV migrates sequences (flexfloor with scheduler.compaction) on one process only."""
-  if (config.rollout.kv == "paged" and num_processes > 1 and config.schedule == "flexfloor"
-      and config.scheduler.compaction):
-    raise KVPoolError("rollout.kv: 'paged' with schedule 'flexfloor' and scheduler.compaction "
-                      "migrates sequences, which is not implemented across processes yet")
-
-
 def pages_per_worker(r, max_seq_len: int) -> int:
   """rollout.kv_pages, or (0) the pages of the fixed-slot cache's bytes:
   equal_budget_pages(slots_per_worker, max_seq_len, page_size). A pool must hold one sequence
