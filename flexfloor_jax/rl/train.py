@@ -342,12 +342,14 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int],
            "device_steps": s.get("device_steps"), "generated_tokens": s.get("generated_tokens"),
            "slot_utilization": s.get("slot_utilization"),
            "occupied_device_seconds": s.get("occupied_device_seconds")}
+    row["timing_s/step"] = time.perf_counter() - t_step
+    # The row before the checkpoint: a kill between the two leaves a row that resume drops (its
+    # step is after the newest checkpoint) and recomputes, never a checkpoint without its row.
+    _append_metrics(metrics_path, row)
     if step % st.train.checkpoint_every == 0 or step == st.train.steps:
       ckpts.save_checkpoint(config, step, params, opt_state, history)
       if jax.process_index() == 0:
         ckpts.prune_checkpoints(config, step)
-    row["timing_s/step"] = time.perf_counter() - t_step
-    _append_metrics(metrics_path, row)
     if progress:
       print(f"step {step}: score {row['critic/score/mean']:.3f} len "
             f"{row['response_length/mean']:.1f} pg {row['actor/pg_loss']:.4f} gnorm "
