@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax import movers
 
 
 def move_rounds(moves: Sequence[tuple]):
@@ -260,30 +261,34 @@ def _holds_all(moves) -> bool:
 
 def _migrate_paged_spmd(stepset, active: Sequence[int], state, moves, page_moves) -> tuple:
   """migrate_paged by the mesh's SPMD steps (multi-controller, where a device_put between the
-  devices of two processes is not implemented): the rows by move_rows, the pages by
-  extract_pages on the sources, a ppermute over the mesh (route_rows) and insert_pages at the
-  destinations' page ids, in move_rounds. Every process runs the same rounds from the same plan.
-  Returns (new state, KV bytes sent: each move sends a block of pages_per_seq pages, its live
-  pages and padding)."""
+  devices of two processes is not implemented): the rows by move_rows, the pages in chunks of
+  the page movers' block (movers.page_block pages) by extract_pages on the sources, a ppermute
+  over the mesh (route_rows) and insert_pages at the destinations' page ids, in move_rounds
+  (a move's chunks in successive rounds). Every process runs the same rounds from the same plan.
+  Returns (new state, KV bytes sent: each chunk sends a whole block, its last one padded)."""
   pos = {w: i for i, w in enumerate(active)}
   rows, _ = move_rows(stepset, "rows", state.row_dict(),
                       [(pos[sw], s_, pos[dw], ds) for sw, s_, dw, ds in moves])
   prog = stepset.page_programs()
-  n, m, pad = stepset.mesh.size, stepset.spec.pages_per_seq, stepset.spec.num_pages
+  n, pad = stepset.mesh.size, stepset.spec.num_pages
+  c = movers.page_block(stepset.spec.pages_per_seq)
+  chunks = [(pos[sw], src[j:j + c], pos[dw], dst[j:j + c])
+            for (sw, _, dw, _), (src, dst) in zip(moves, page_moves)
+            for j in range(0, len(src), c)]
   devs = list(stepset.mesh.devices.reshape(-1))
   pools = state.page_dict()
   hold = _holds_all(moves)
   pending, sent = [], 0
-  for rnd in move_rounds([(pos[sw], i, pos[dw], i) for i, (sw, _, dw, _) in enumerate(moves)]):
-    src, dst = np.full((n, m), pad, np.int32), np.full((n, m), pad, np.int32)
-    for sp, i, dp, _ in rnd:
-      src[sp, :len(page_moves[i][0])] = page_moves[i][0]
-      dst[dp, :len(page_moves[i][1])] = page_moves[i][1]
-    block = prog["extract_pages"](pools, jax.device_put(src, stepset.host_sharding))
+  for rnd in move_rounds([(sp, k, dp, k) for k, (sp, _, dp, _) in enumerate(chunks)]):
+    src_ids, dst_ids = np.full((n, c), pad, np.int32), np.full((n, c), pad, np.int32)
+    for sp, k, dp, _ in rnd:
+      src_ids[sp, :len(chunks[k][1])] = chunks[k][1]
+      dst_ids[dp, :len(chunks[k][3])] = chunks[k][3]
+    block = prog["extract_pages"](pools, jax.device_put(src_ids, stepset.host_sharding))
     routed = route_rows(block, {sp: devs[dp] for sp, _, dp, _ in rnd}, devs)
     block = {k: reassemble(b, b.sharding, b.shape, routed[k]) for k, b in block.items()}
     sent += len(rnd) * sum(b.nbytes // n for b in block.values())
-    pending.append((block, jax.device_put(dst, stepset.host_sharding)))
+    pending.append((block, jax.device_put(dst_ids, stepset.host_sharding)))
     if not hold:
       pools = prog["insert_pages"](pools, *pending.pop())
   for block, ids in pending:

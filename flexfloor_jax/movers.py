@@ -70,16 +70,26 @@ def _put_pages_local(pools, pages, ids_1M):
   return {k: x.at[:, :, ids_1M[0]].set(pages[k], mode="drop") for k, x in pools.items()}
 
 
+# A multi-controller migration sends a sequence's pages in blocks of a quarter of a full
+# sequence: at most that much padding per move, in at most 4 rounds, one block shape to compile.
+PAGE_BLOCKS_PER_SEQ = 4
+
+
+def page_block(pages_per_seq: int) -> int:
+  """Pages per worker in one SPMD page move (compile_page_movers)."""
+  return -(-pages_per_seq // PAGE_BLOCKS_PER_SEQ)
+
+
 def compile_page_movers(stepset) -> dict:
-  """Paged KV, multi-controller: SPMD extract / insert of up to pages_per_seq pages per worker
-  on this mesh. Page ids [N, pages_per_seq], one row per worker (local ids; entries >= num_pages
-  are padding: extract reads the last page, insert writes nothing); "taken_pages" is the
-  abstract block one extract returns, pages_per_seq pages per worker."""
+  """Paged KV, multi-controller: SPMD extract / insert of a block of page_block pages per
+  worker on this mesh. Page ids [N, page_block], one row per worker (local ids; entries >=
+  num_pages are padding: extract reads the last page, insert writes nothing); "taken_pages" is
+  the abstract block one extract returns."""
   mesh = stepset.mesh
   pools = stepset.abstract_state.page_dict()
   specs = {k: v.sharding.spec for k, v in pools.items()}
   w = mesh_lib.batch_spec(2)
-  ids_abs = jax.ShapeDtypeStruct((mesh.size, stepset.spec.pages_per_seq), jnp.int32,
+  ids_abs = jax.ShapeDtypeStruct((mesh.size, page_block(stepset.spec.pages_per_seq)), jnp.int32,
                                  sharding=mesh_lib.named(mesh, w))
   ext = jax.jit(jax.shard_map(_take_pages_local, mesh=mesh, in_specs=(specs, w),
                               out_specs=specs, check_vma=False))

@@ -155,7 +155,7 @@ class StepSet:
       jax.block_until_ready(self._compiled[f"insert_{group}"](t, taken, idx))
     if "extract_pages" in self._compiled:
       t = jax.tree.map(zeros, self.abstract_state.page_dict())
-      ids = jax.device_put(np.zeros((n, m), np.int32), self.host_sharding)
+      ids = jax.device_put(np.zeros((n, movers.page_block(m)), np.int32), self.host_sharding)
       taken = self._compiled["extract_pages"](t, ids)
       jax.block_until_ready(self._compiled["insert_pages"](t, taken, ids))
 
