@@ -1,8 +1,10 @@
-"""Tests emulate 8 CPU devices; XLA_FLAGS must be set before jax is imported."""
+"""Tests emulate 8 CPU devices; XLA_FLAGS (xla_env.py) must be set before jax is imported."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+import xla_env
+
+os.environ.setdefault("XLA_FLAGS", xla_env.suite_flags())
 
 import jax  # noqa: E402
 

@@ -12,6 +12,8 @@ import pytest
 
 from flexfloor_jax.bench import report, runs
 
+import xla_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finish_fraction",
                  "device_steps", "throughput_tokens_per_s")
@@ -117,7 +119,7 @@ def test_sim_cli_calibrates_on_bench_runs(small_bench):
 def _cli(tmp_path, *args, timeout=300):
   import os
   env = dict(os.environ, FLEXFLOOR_JAX_CACHE=str(ROOT / ".jax_cache"))
-  env.pop("XLA_FLAGS", None)  # the CLI emulates its own 8 devices
+  env["XLA_FLAGS"] = xla_env.child_flags()  # the CLI emulates its own 8 devices
   return subprocess.run([sys.executable, "-m", "flexfloor_jax.bench", "--config=configs/bench.py",
                          f"--config.output_dir={tmp_path / 'out'}", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)

@@ -33,6 +33,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 import cli_utils  # noqa: E402
+import xla_env  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(REPO, ".jax_cache"))
@@ -56,7 +57,7 @@ RESPONSE_FIELDS = ("prompt_id", "sample", "tokens", "text", "finish_reason", "nu
 def _env(log_compiles: bool = False) -> dict:
   env = dict(os.environ)
   env["FLEXFLOOR_JAX_CACHE"] = CACHE
-  env.pop("XLA_FLAGS", None)  # conftest sets it for this process; the CLI sets its own
+  env["XLA_FLAGS"] = xla_env.child_flags()  # the CLI sets its own device count
   env["PYTHONUNBUFFERED"] = "1"
   if log_compiles:
     env["JAX_LOG_COMPILES"] = "1"

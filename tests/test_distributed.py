@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+import xla_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(REPO, ".jax_cache"))
 SMALL = ["--config.rollout.num_prompts=2", "--config.rollout.samples_per_prompt=8",
@@ -24,7 +26,7 @@ SMALL = ["--config.rollout.num_prompts=2", "--config.rollout.samples_per_prompt=
 def _env() -> dict:
   env = dict(os.environ)
   env["FLEXFLOOR_JAX_CACHE"] = CACHE
-  env.pop("XLA_FLAGS", None)  # conftest sets 8 devices for this process; children set their own
+  env["XLA_FLAGS"] = xla_env.child_flags()  # children set their own device count
   for k in ("FLEXFLOOR_COORDINATOR", "FLEXFLOOR_NUM_PROCESSES", "FLEXFLOOR_PROCESS_ID",
             "FLEXFLOOR_DEVICES_PER_PROCESS"):
     env.pop(k, None)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+import xla_env
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -22,7 +24,7 @@ def _execute(name: str, out_dir: str):
              # the suite's compilation cache (conftest.py): warm compiles in the kernel too
              FLEXFLOOR_JAX_CACHE=os.environ.get("FLEXFLOOR_JAX_CACHE",
                                                 os.path.join(ROOT, ".jax_cache")))
-  env.pop("XLA_FLAGS", None)  # the notebook sets up its own emulated devices
+  env["XLA_FLAGS"] = xla_env.child_flags()  # the notebook sets up its own emulated devices
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   # 'python3' is the kernelspec ipykernel installs into this interpreter's sys.prefix;
   # jupyter_client runs it with sys.executable.

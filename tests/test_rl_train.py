@@ -103,8 +103,7 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
   # that this process or the other xdist worker would read.
   cache = tmp_path / "jax_cache"
   shutil.copytree(CACHE, cache, dirs_exist_ok=True)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             FLEXFLOOR_JAX_CACHE=str(cache))
+  env = dict(os.environ, FLEXFLOOR_JAX_CACHE=str(cache))  # this process's XLA_FLAGS
   proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   meta = tmp_path / "checkpoints" / "step_2" / "meta.json"
