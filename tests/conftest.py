@@ -18,8 +18,9 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # With `-n 2 --dist loadfile` (README) each file runs whole on one worker, files handed out in
 # collection order: start the longest (cold cache) first so that no long file is
 # left for the end while the other worker idles.
-_LONGEST_FIRST = ("test_rl_grpo.py", "test_distributed.py", "test_notebooks.py", "test_elastic.py",
-                  "test_rl_train.py", "test_bench.py", "test_cli.py")
+_LONGEST_FIRST = ("test_elastic.py", "test_distributed.py", "test_rl_train.py", "test_bench.py",
+                  "test_rl_grpo.py", "test_ep.py", "test_notebooks.py", "test_cli.py",
+                  "test_paged_engine.py", "test_sim.py", "test_kernels.py", "test_engine.py")
 
 
 def pytest_collection_modifyitems(config, items):
