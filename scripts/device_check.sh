@@ -69,6 +69,9 @@ cat "$OUT/env.txt" | tee -a "$LOG"
 TIMEOUT_FLAG=""
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout=120"
 PYTEST=($PY -m pytest -q -rfEs -p no:cacheprovider $TIMEOUT_FLAG)
+# tests/conftest.py sets the suite's XLA:CPU flags only when XLA_FLAGS is unset: keep them off the
+# device's (possibly newer) XLA, which aborts on a flag it does not know.
+export XLA_FLAGS="${XLA_FLAGS:-}"
 
 # 2. compiled Mosaic GPU kernels (skip on CPU)
 step gpu_kernel_tests 120 "$OUT/pytest.txt" "${PYTEST[@]}" -v tests/test_kernels_gpu.py

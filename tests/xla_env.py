@@ -10,6 +10,8 @@ DEVICE_COUNT = "xla_force_host_platform_device_count"
 # faster, and compiling is most of a cold run of the suite. Greedy tokens are the same and
 # log-probs differ from the default emitters in the last bits, so every test compares runs
 # compiled alike (this process and its children); no test property depends on the CPU emitter.
+# An XLA that does not know a flag aborts the process: XLA_FLAGS set by the caller (even empty, as
+# scripts/device_check.sh does on a device) replace these.
 CODEGEN = ("--xla_cpu_use_fusion_emitters=false",)
 
 
