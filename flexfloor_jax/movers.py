@@ -61,13 +61,22 @@ def compile_movers(stepset) -> dict:
   return out
 
 
-def _take_pages_local(pools, ids_1M):
-  ids = jnp.clip(ids_1M[0], 0, next(iter(pools.values())).shape[2] - 1)
-  return {k: jnp.take(x, ids, axis=2) for k, x in pools.items()}
+def _take_pages(pools, ids):
+  """The pages `ids` of each pool [L, K, num_pages, ...] (ids >= num_pages: the last page)."""
+  return {k: jnp.take(x, jnp.clip(ids, 0, x.shape[2] - 1), axis=2) for k, x in pools.items()}
+
+
+def _put_pages(pools, pages, ids):
+  """`pages` written at `ids` of each pool (ids >= num_pages: nothing written)."""
+  return {k: x.at[:, :, ids].set(pages[k], mode="drop") for k, x in pools.items()}
+
+
+def _take_pages_local(pools, ids_1M):  # one worker's row of the SPMD page ids
+  return _take_pages(pools, ids_1M[0])
 
 
 def _put_pages_local(pools, pages, ids_1M):
-  return {k: x.at[:, :, ids_1M[0]].set(pages[k], mode="drop") for k, x in pools.items()}
+  return _put_pages(pools, pages, ids_1M[0])
 
 
 # A multi-controller migration sends a sequence's pages in blocks of a quarter of a full
@@ -83,8 +92,7 @@ def page_block(pages_per_seq: int) -> int:
 def compile_page_movers(stepset) -> dict:
   """Paged KV, multi-controller: SPMD extract / insert of a block of page_block pages per
   worker on this mesh. Page ids [N, page_block], one row per worker (local ids; entries >=
-  num_pages are padding: extract reads the last page, insert writes nothing); "taken_pages" is
-  the abstract block one extract returns."""
+  num_pages are padding: extract reads the last page, insert writes nothing)."""
   mesh = stepset.mesh
   pools = stepset.abstract_state.page_dict()
   specs = {k: v.sharding.spec for k, v in pools.items()}
@@ -98,8 +106,7 @@ def compile_page_movers(stepset) -> dict:
   ins = jax.jit(jax.shard_map(_put_pages_local, mesh=mesh, in_specs=(specs, specs, w),
                               out_specs=specs, check_vma=False), donate_argnums=0)
   return {"extract_pages": ext.lower(pools, ids_abs).compile(),
-          "insert_pages": ins.lower(pools, taken_abs, ids_abs).compile(),
-          "taken_pages": taken_abs}
+          "insert_pages": ins.lower(pools, taken_abs, ids_abs).compile()}
 
 
 class SlotMovers:
@@ -179,17 +186,11 @@ class PageMovers:
     self.device, self.pages_per_seq = device, pages_per_seq
     self.num_pages = next(iter(tree.values())).shape[2]
 
-    def take(t, i):
-      return {k: jnp.take(x, jnp.clip(i, 0, x.shape[2] - 1), axis=2) for k, x in t.items()}
-
-    def put(t, pages, i):
-      return {k: x.at[:, :, i].set(pages[k], mode="drop") for k, x in t.items()}
-
-    self.take = jax.jit(take).lower(tree, ids).compile()
-    pages_abs = jax.eval_shape(take, tree, ids)
+    self.take = jax.jit(_take_pages).lower(tree, ids).compile()
+    pages_abs = jax.eval_shape(_take_pages, tree, ids)
     pages_abs = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
                  for k, v in pages_abs.items()}
-    self.put = jax.jit(put, donate_argnums=0).lower(tree, pages_abs, ids).compile()
+    self.put = jax.jit(_put_pages, donate_argnums=0).lower(tree, pages_abs, ids).compile()
     t = {k: jnp.zeros(v.shape, v.dtype, device=sh) for k, v in tree.items()}
     i0 = self.ids([0])
     jax.block_until_ready(self.put(t, self.take(t, i0), i0))

@@ -122,12 +122,13 @@ class StepSet:
     return self._compiled["prefill_resume"]
 
   def page_programs(self) -> dict:
-    """The SPMD page movers (movers.compile_page_movers): compiled with the mesh when several
-    processes run it (the only path that needs them), else at their first use."""
+    """The SPMD page movers, {extract_pages, insert_pages} (movers.compile_page_movers): compiled
+    with the mesh when several processes run it (the only path that needs them), else at their
+    first use."""
     self.compile()
     if "extract_pages" not in self._compiled:
       self._compiled.update(movers.compile_page_movers(self))
-    return self._compiled
+    return {k: self._compiled[k] for k in ("extract_pages", "insert_pages")}
 
   def warm_up(self):
     """Run each executable once on placeholder inputs, with one live decode slot per worker and
