@@ -59,6 +59,22 @@ def _load(out):
     return rows, json.load(f)
 
 
+def _assert_same_responses(ref, got):
+  """The same (prompt, sample) rows in the same order, with equal tokens and log-probs."""
+  key = lambda rows: [(r["prompt_id"], r["sample"]) for r in rows]
+  assert key(got) == key(ref)
+  for a, b in zip(ref, got):
+    assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
+    assert a["logprobs"] == b["logprobs"]
+
+
+def _assert_process_logs(out, proc):
+  """Only process 0 writes outputs; each process writes its own log."""
+  for k in (0, 1):
+    assert os.path.isfile(os.path.join(out, f"process_{k}.log"))
+  assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
+
+
 def test_launch_fails_when_a_child_fails(tmp_path):
   code = ("import os, sys, time; i = int(os.environ['FLEXFLOOR_PROCESS_ID']); "
           "print('hello', i, os.environ['FLEXFLOOR_NUM_PROCESSES']); "
@@ -95,10 +111,7 @@ def test_two_processes_match_one_paged(tmp_path):
   print(f"paged flexfloor: 1 process {t1:.1f}s, 2 processes {t2:.1f}s")
   ref, s1 = _load(one)
   got, s2 = _load(two)
-  assert [(r["prompt_id"], r["sample"]) for r in got] == [(r["prompt_id"], r["sample"]) for r in ref]
-  for a, b in zip(ref, got):
-    assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
-    assert a["logprobs"] == b["logprobs"]
+  _assert_same_responses(ref, got)
   for k in ("generated_tokens", "device_steps", "num_migrations", "preemptions",
             "kv_pages_allocated", "kv_peak_pages"):
     assert s2[k] == s1[k], k
@@ -106,10 +119,7 @@ def test_two_processes_match_one_paged(tmp_path):
   # every move sends its live pages (one process) or whole blocks of pages (SPMD), so at most
   # a block of padding more per move
   assert s2["kv_bytes_migrated"] >= s1["kv_bytes_migrated"] > 0
-  # only process 0 writes outputs; each process writes its own log
-  for k in (0, 1):
-    assert os.path.isfile(os.path.join(two, f"process_{k}.log"))
-  assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
+  _assert_process_logs(two, proc)
   assert [(r["workers"], r["final"]) for r in s2["releases"]] == \
       [(r["workers"], r["final"]) for r in s1["releases"]]
 
@@ -143,11 +153,7 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
   ref, s1 = _load(one)
   got, s2 = _load(two)
   assert s2["release_sizes"] == s1["release_sizes"] and 6 in s2["release_sizes"]
-  key = lambda rows: [(r["prompt_id"], r["sample"]) for r in rows]
-  assert key(got) == key(ref)
-  for a, b in zip(ref, got):
-    assert a["tokens"] == b["tokens"], (a["prompt_id"], a["sample"])
-    assert a["logprobs"] == b["logprobs"]
+  _assert_same_responses(ref, got)
   assert [(r["workers"], r["final"], r["stats"].get("expert_moves")) for r in s2["releases"]] == \
       [(r["workers"], r["final"], r["stats"].get("expert_moves")) for r in s1["releases"]]
   assert s2["num_migrations"] == s1["num_migrations"] > 0  # KV rows moved between workers
