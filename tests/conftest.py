@@ -7,6 +7,7 @@ import xla_env
 os.environ.setdefault("XLA_FLAGS", xla_env.suite_flags())
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Persistent compilation cache: keeps the suite inside CI's time limit on 2 cores.
 _CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE",
@@ -16,13 +17,26 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # With `-n 2 --dist loadfile` (README) each file runs whole on one worker, files handed out in
-# collection order: start the longest (cold cache) first so that no long file is
-# left for the end while the other worker idles.
-_LONGEST_FIRST = ("test_elastic.py", "test_distributed.py", "test_rl_train.py", "test_bench.py",
-                  "test_rl_grpo.py", "test_ep.py", "test_notebooks.py", "test_cli.py",
-                  "test_paged_engine.py", "test_sim.py", "test_kernels.py", "test_engine.py")
+# collection order (pyproject.toml: --no-loadscope-reorder): start the longest (cold cache) first,
+# so that the files left for the end are short ones and neither worker idles long.
+_LONGEST_FIRST = ("test_elastic.py", "test_distributed.py", "test_rl_grpo.py", "test_rl_train.py",
+                  "test_ep.py", "test_bench.py", "test_notebooks.py", "test_cli.py",
+                  "test_paged_engine.py", "test_kernels.py", "test_sim.py", "test_engine.py",
+                  "test_rl_parity.py", "test_paged_attention.py", "test_routing_replay.py",
+                  "test_rl_reuse.py", "test_checkpoint.py", "test_reliability.py",
+                  "test_hf_parity.py", "test_outputs.py")
 
 
 def pytest_collection_modifyitems(config, items):
   rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda it: rank.get(os.path.basename(str(it.fspath)), len(rank)))
+
+
+@pytest.fixture(scope="session")
+def step_caches():
+  """One engine.StepCachePool for this pytest process: runs of the same EngineSpec on the same
+  devices (the canonical shapes of engine_utils.rollout_config above all) reuse the StepSets an
+  earlier test compiled, across tests and files, instead of tracing, lowering and loading them
+  from the persistent cache again. Tests of compiling itself take fresh caches."""
+  from flexfloor_jax import engine
+  return engine.StepCachePool()

@@ -45,21 +45,21 @@ def sizes_over_time(res):
 
 
 @pytest.mark.parametrize("lengths", ["file", "model"])
-def test_flexfloor_responses_equal_static(lengths, params, tmp_path):
+def test_flexfloor_responses_equal_static(lengths, params, tmp_path, step_caches):
   c = get_config()
   c.rollout.lengths = (engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
                        if lengths == "file" else "model")
   c.schedule = "static"
-  static = run(c, params, tmp_path, "static")
+  static = run(c, params, tmp_path, "static", step_cache=step_caches)
   c.schedule = "flexfloor"
-  flex = run(c, params, tmp_path, "flex")
+  flex = run(c, params, tmp_path, "flex", step_cache=step_caches)
   # balanced places by predicted length: with no history every prediction is equal and LPT
   # reproduces static's chunks here, so it gets a history in which later prompts ran longer
   hist = LengthHistory()
   for i, pid in enumerate(sorted({r["prompt_id"] for r in static.responses})):
     hist.add(pid, 0, [1 + 4 * i + j for j in range(c.rollout.samples_per_prompt)])
   c.schedule = "balanced"
-  bal = run(c, params, tmp_path, "balanced", history=hist)
+  bal = run(c, params, tmp_path, "balanced", history=hist, step_cache=step_caches)
   key = lambda r: (r["prompt_id"], r["sample"])
   a = {key(r): r for r in static.responses}
   for other in (flex, bal):
@@ -149,6 +149,22 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   assert steps == 2
 
 
+def test_a_cache_closed_mid_compile_compiles_the_dropped_sizes_when_reused(params):
+  """A pooled StepCache (bench epochs, RL steps) is closed after each run, which drops the
+  compiles not started yet; reused, it compiles those sizes again. Before: the dropped size
+  counted as ready and getting it raised CancelledError (a release onto it, in a later run)."""
+  spec = engine_utils.rollout_spec(MODEL)  # the runner's flexfloor spec: persistent-cache hits
+  cache = engine_lib.StepCache(spec, jax.devices()[:8], list(range(8)),
+                               *engine_lib.abstract_split(params), compile_threads=1)
+  cache.prefetch([8, 1])  # one thread: 1 waits behind 8, and close() drops it
+  cache.close()
+  assert not cache.ready(1)
+  cache.reopen()
+  cache.prefetch([8, 1])
+  cache.wait([8, 1])
+  assert cache.ready(8) and cache.ready(1) and cache.get(1).mesh.size == 1
+
+
 def test_no_compile_during_rollout(params, tmp_path):
   c = get_config()
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
@@ -182,14 +198,14 @@ def test_no_compile_during_rollout(params, tmp_path):
   print("release latency / median decode step:", res.summary["release_latency_over_median_step"])
 
 
-def test_floor_is_respected(params, tmp_path):
+def test_floor_is_respected(params, tmp_path, step_caches):
   c = get_config()
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   t = memory.terms_for_config(c, MODEL)
   # Room for 2 experts per worker (plus slack below one more expert): the floor is 4 workers.
   budget = t.per_device(2) + t.expert // 2
   c.mesh.device_memory_gb = budget / 2**30
-  res = run(c, params, tmp_path, "floor4")
+  res = run(c, params, tmp_path, "floor4", step_cache=step_caches)
   assert res.summary["floor"] == 4
   sizes = sizes_over_time(res)
   assert min(sizes) == 4, sizes
@@ -203,7 +219,7 @@ def test_floor_is_respected(params, tmp_path):
 
 
 @pytest.mark.slow
-def test_greedy_tokens_identical_across_mesh_sizes(params, tmp_path):
+def test_greedy_tokens_identical_across_mesh_sizes(params, tmp_path, step_caches):
   """Greedy rollout through the runner on 1, 2, 3 (uneven expert placement), 4 and 8 workers."""
   c = get_config()
   c.schedule = "static"
@@ -213,7 +229,7 @@ def test_greedy_tokens_identical_across_mesh_sizes(params, tmp_path):
   out = {}
   for n in (1, 2, 3, 4, 8):
     c.mesh.num_devices = n
-    res = run(c, params, tmp_path, f"n{n}")
+    res = run(c, params, tmp_path, f"n{n}", step_cache=step_caches)
     out[n] = {(r["prompt_id"], r["sample"]): (r["tokens"], r["logprobs"]) for r in res.responses}
   for n in (1, 2, 3, 4):
     assert out[n] == out[8], n
@@ -238,14 +254,14 @@ def test_pallas_backend_matches_xla(params, tmp_path):
     assert np.abs(np.subtract(a["logprobs"], b["logprobs"])).max() <= 1e-4
 
 
-def test_measured_step_times_drive_the_next_run(params, tmp_path):
+def test_measured_step_times_drive_the_next_run(params, tmp_path, step_caches):
   """The engine's per-size decode step times go into the length history; the next run's release
   policy decides on them (the time-aware floor's measured source)."""
   c = get_config()
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.scheduler.step_cost = "measured"  # 'auto' decides on device-steps on emulated CPU devices
   hist = LengthHistory()
-  first = run(c, params, tmp_path, "first", history=hist)
+  first = run(c, params, tmp_path, "first", history=hist, step_cache=step_caches)
   assert first.summary["cost_model"] is None  # nothing measured before the first run
   measured = {int(k): v for k, v in first.summary["step_seconds_measured"].items()}
   assert len(measured) >= 2 and hist.step_seconds == measured
@@ -253,7 +269,7 @@ def test_measured_step_times_drive_the_next_run(params, tmp_path):
   hist.save(str(path))
   back = LengthHistory.load(str(path))
   assert back.step_seconds == measured
-  second = run(c, params, tmp_path, "second", history=back)
+  second = run(c, params, tmp_path, "second", history=back, step_cache=step_caches)
   assert second.summary["step_cost"] == "measured"
   assert second.summary["cost_model"] == "measured"
   assert {int(k): v for k, v in second.summary["cost_table"].items()} == measured
