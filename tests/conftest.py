@@ -19,8 +19,8 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # With `-n 2 --dist loadfile` (README) each file runs whole on one worker. xdist hands the files
 # out by their number of tests, most first, which mixes long files with short ones; handed out
 # longest first instead (`--no-loadscope-reorder`), the long files ran side by side and the cold
-# suite took more CPU and more time. This order only breaks ties: among files with as many tests,
-# the longest first.
+# suite was not faster (it is CPU-bound). This order only breaks ties: among files with as many
+# tests, the longest first.
 _LONGEST_FIRST = ("test_elastic.py", "test_distributed.py", "test_rl_grpo.py", "test_rl_train.py",
                   "test_ep.py", "test_bench.py", "test_notebooks.py", "test_cli.py",
                   "test_paged_engine.py", "test_kernels.py", "test_sim.py", "test_engine.py",
