@@ -142,8 +142,8 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
   mesh's first collective while the processes' compiles drifted apart."""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   _, t1 = _rollout(one, "flexfloor", 1, DEFAULT_SIZES)
-  # The load: under `pytest -n 2` (README) the suite's other worker, which keeps the cores busy
-  # while this file runs (conftest.py starts both among the first); run alone, a burner.
+  # The load: under `pytest -n 2` (README) the suite's other worker (the suite is CPU-bound: both
+  # workers are busy until its last files); run alone, a burner.
   alone = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") == "1"
   burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(int(alone))]
   try:

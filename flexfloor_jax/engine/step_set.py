@@ -204,11 +204,9 @@ class StepCache:
                                                  thread_name_prefix="flexfloor-compile")
 
   def reopen(self):
-    """A fresh compile pool after close() (a cache reused by a later rollout); the sizes whose
-    compiles close() dropped before they started are forgotten, so prefetch submits them again."""
+    """A fresh compile pool after close() (a cache reused by a later rollout)."""
     if getattr(self._pool, "_shutdown", False):
       self._pool = self._new_pool()
-    self._futures = {n: f for n, f in self._futures.items() if not f.cancelled()}
 
   def mesh_for(self, n: int) -> Mesh:
     return mesh_lib.make_ep_mesh([self.devices[w] for w in self.chain[len(self.chain) - n:]])
@@ -294,8 +292,7 @@ class StepCache:
   def get(self, n: int) -> StepSet:
     if n not in self._sets:
       fut = self._futures.pop(n, None)
-      done = fut is not None and not fut.cancelled()
-      self._sets[n] = fut.result() if done else self._build(n)
+      self._sets[n] = fut.result() if fut is not None else self._build(n)
     return self._sets[n]
 
   def wait(self, sizes: Sequence[int]):
@@ -309,12 +306,14 @@ class StepCache:
 
   def ready(self, n: int) -> bool:
     """Is the StepSet for n workers compiled (so moving to it costs no compile)?"""
-    fut = self._futures.get(n)
-    return n in self._sets or (fut is not None and fut.done() and not fut.cancelled())
+    return n in self._sets or (n in self._futures and self._futures[n].done())
 
   def close(self):
     """Drop compiles not started yet (those in flight finish: XLA can't be interrupted)."""
     self._pool.shutdown(wait=False, cancel_futures=True)
+    # shutdown cancels the queued compiles before it returns: forget them, so that they are not
+    # ready and a reused cache (reopen, prefetch) submits them again
+    self._futures = {n: f for n, f in self._futures.items() if not f.cancelled()}
 
 
 class StepCachePool:
