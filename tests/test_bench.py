@@ -179,12 +179,14 @@ def test_sequences_from_a_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def paged_bench(tmp_path_factory):
   """The small bench on the paged KV pool (rollout.kv='paged', kv_pages=0: the fixed-slot
-  cache's bytes), one epoch, static / balanced / flexfloor."""
+  cache's bytes), one epoch, static / balanced / flexfloor, releasing onto 4, 2 and 1 workers
+  (every release size: small_bench)."""
   tmp = tmp_path_factory.mktemp("bench_paged")
   c = small_config(tmp)
   c.epochs = 1
   c.release_only = False
   c.rollout.kv = "paged"
+  c.scheduler.release_sizes = "pow2"  # 3 meshes to compile besides the full one, not 7
   doc, timelines, records = runs.run_bench(c, progress=False)
   report.write_outputs(doc, timelines, records, c.output_dir)
   return c, doc, pathlib.Path(c.output_dir)

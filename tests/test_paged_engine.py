@@ -26,9 +26,12 @@ def params():
   return tfm.init_params(MODEL, jax.random.key(3), scale=0.1)
 
 
-def run(c, params, tmp_path, name):
+def run(c, params, tmp_path, name, step_caches):
+  """runner.run on the session's step caches (conftest.py): a spec that this file or another in
+  this process ran already reuses its StepSets."""
   c.rollout.output_dir = str(tmp_path / name)
-  return runner.run(c, params=params, model_cfg=MODEL, write_outputs=False, progress=False)
+  return runner.run(c, params=params, model_cfg=MODEL, write_outputs=False, progress=False,
+                    step_cache=step_caches)
 
 
 def by_key(res):
@@ -90,9 +93,9 @@ def greedy_config():
 
 
 @pytest.fixture(scope="module")
-def greedy_slots(params, tmp_path_factory):
+def greedy_slots(params, tmp_path_factory, step_caches):
   """The unconstrained reference: the fixed-slot cache, greedy."""
-  return run(greedy_config(), params, tmp_path_factory.mktemp("slots"), "slots")
+  return run(greedy_config(), params, tmp_path_factory.mktemp("slots"), "slots", step_caches)
 
 
 def assert_same_responses(ref, other, exact: bool):
@@ -114,10 +117,10 @@ def assert_pool_conserved(s):
   assert max(s["kv_peak_pages_per_worker"]) == s["kv_peak_pages"]
 
 
-def test_paged_tokens_equal_fixed_slots(params, greedy_slots, tmp_path):
+def test_paged_tokens_equal_fixed_slots(params, greedy_slots, tmp_path, step_caches):
   c = greedy_config()
   c.rollout.kv = "paged"
-  paged = run(c, params, tmp_path, "paged")
+  paged = run(c, params, tmp_path, "paged", step_caches)
   assert_same_responses(greedy_slots, paged, exact=False)
   s = paged.summary
   assert s["kv"] == "paged" and s["preemptions"] == 0
@@ -128,7 +131,7 @@ def test_paged_tokens_equal_fixed_slots(params, greedy_slots, tmp_path):
   assert_pool_conserved(s)
 
 
-def test_pallas_paged_attention_gives_the_xla_tokens(params, tmp_path):
+def test_pallas_paged_attention_gives_the_xla_tokens(params, tmp_path, step_caches):
   """model.attention_backend='pallas' (JAX's paged-attention kernel; on CPU the Triton kernel,
   interpreted) in the engine's paged decode: the greedy tokens of the XLA path, log-probs within
   1e-4 (another implementation: the kernel's online softmax in another order)."""
@@ -139,7 +142,7 @@ def test_pallas_paged_attention_gives_the_xla_tokens(params, tmp_path):
   out = {}
   for backend in ("xla", "pallas"):
     c.model.attention_backend = backend
-    out[backend] = run(c, params, tmp_path, backend)
+    out[backend] = run(c, params, tmp_path, backend, step_caches)
   a, b = by_key(out["xla"]), by_key(out["pallas"])
   assert a.keys() == b.keys() and len(a) == 4
   d = 0.0
@@ -157,14 +160,14 @@ def test_pallas_paged_attention_gives_the_xla_tokens(params, tmp_path):
     settings.load(c)
 
 
-def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_path):
+def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_path, step_caches):
   """A pool of 6 pages (one longest sequence) per worker for 2 sequences of ~3 pages each:
   the youngest are preempted, recomputed by a prefill of prompt + their tokens, and finish
   with the unconstrained run's tokens."""
   c = greedy_config()
   c.rollout.kv = "paged"
   c.rollout.kv_pages = 6
-  small = run(c, params, tmp_path, "small")
+  small = run(c, params, tmp_path, "small", step_caches)
   s = small.summary
   assert s["preemptions"] > 0
   assert s["kv_peak_pages"] <= 6
@@ -173,7 +176,7 @@ def test_preemption_recomputes_and_changes_no_token(params, greedy_slots, tmp_pa
   assert_pool_conserved(s)
 
 
-def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path):
+def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path, step_caches):
   """Paged KV, sampled: static and flexfloor (releases down to the floor, live sequences
   migrated page by page) give the same tokens and log-probs, bit for bit."""
   c = engine_utils.rollout_config()
@@ -181,9 +184,9 @@ def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path)
   c.scheduler.release_sizes = "pow2"
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.schedule = "static"
-  static = run(c, params, tmp_path, "static")
+  static = run(c, params, tmp_path, "static", step_caches)
   c.schedule = "flexfloor"
-  flex = run(c, params, tmp_path, "flex")
+  flex = run(c, params, tmp_path, "flex", step_caches)
   assert_same_responses(static, flex, exact=True)
   a, b = by_key(static), by_key(flex)
   assert sum(a[k]["worker"] != b[k]["worker"] for k in a) > 0

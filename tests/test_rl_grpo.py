@@ -27,11 +27,12 @@ def _config(out, sft_dir, *, schedule, lr):
 
 
 @pytest.mark.slow
-def test_grpo_beats_lr0_control_on_both_schedules(tmp_path):
-  warm = sft.sft(_config(tmp_path / "x", tmp_path / "sft", schedule="flexfloor", lr=0.0))
+def test_grpo_beats_lr0_control_on_both_schedules(tmp_path, step_caches):
+  warm = sft.sft(_config(tmp_path / "x", tmp_path / "sft", schedule="flexfloor", lr=0.0),
+                 step_cache=step_caches)
   assert 0.0 < warm["eval/score/mean"] < 0.5  # a weak but non-zero start: room to learn
   runs = {(s, lr): train.train(_config(tmp_path / f"{s}-{lr}", tmp_path / "sft", schedule=s,
-                                       lr=lr))
+                                       lr=lr), step_cache=step_caches)
           for s, lr in (("flexfloor", LR), ("static", LR), ("flexfloor", 0.0))}
   score = {k: np.array([r["critic/score/mean"] for r in v]) for k, v in runs.items()}
   control = score[("flexfloor", 0.0)]

@@ -33,10 +33,11 @@ def _det(rows):
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-  """An uninterrupted 3-step run (checkpoints after steps 2 and 3)."""
+def straight(tmp_path_factory, step_caches):
+  """An uninterrupted 3-step run (checkpoints after steps 2 and 3). The resumed runs below take
+  the session's step caches too: they run the rollout executables this run compiled."""
   out = tmp_path_factory.mktemp("straight")
-  return out, train.train(_config(out))
+  return out, train.train(_config(out), step_cache=step_caches)
 
 
 def _config(out):
@@ -62,7 +63,7 @@ def test_metrics_files_and_names(straight):
   assert rows[-1]["actor/kl"] > 0 and all(r["actor/grad_norm"] > 0 for r in rows)
 
 
-def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog):
+def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog, step_caches):
   """Issue 20 (4): step 3's data file truncated and a stray step_6.bak beside it. Before: a
   tensorstore error dump, no resume. Now: a warning naming step_3, step 2 restored, step 3 redone
   bitwise as the straight run did it, and a verified step 3 written again."""
@@ -77,7 +78,7 @@ def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog):
     f.truncate(os.path.getsize(victim) // 2)
   shutil.copytree(ck / "step_2", ck / "step_6.bak")
   with caplog.at_level(logging.WARNING, logger=train.__name__):
-    rows = train.train(_config(run))
+    rows = train.train(_config(run), step_cache=step_caches)
   assert str(ck / "step_3") in caplog.text
   assert _det(rows) == _det(full)
   assert ckpts.read_meta(str(ck / "step_3"), 3)["step"] == 3  # rewritten whole
@@ -85,7 +86,7 @@ def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog):
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_bitwise(straight, tmp_path):
+def test_resume_after_sigkill_bitwise(straight, tmp_path, step_caches):
   """kill -9 after the step-2 checkpoint is complete (during step 3), restart: steps 3.. equal
   the straight run bitwise; the checkpoint's length history wins over a newer history file."""
   _, full = straight
@@ -122,7 +123,7 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path):
   for p in list(hist.data):
     hist.add(p, 99, [1, 1])
   hist.save(str(tmp_path / "history.json"))
-  rows = train.train(cfg)
+  rows = train.train(cfg, step_cache=step_caches)
   assert _det(rows) == _det(full)
   h = LengthHistory.load(str(tmp_path / "history.json"))
   assert all(99 not in h.epochs(p) for p in h.data)

@@ -43,9 +43,11 @@ class SFTError(ValueError):
   """Bad input or a diverged run; the message names the field or the step."""
 
 
-def sft(config, *, progress: bool = False) -> dict:
+def sft(config, *, progress: bool = False, step_cache=None) -> dict:
   """`config`: a ConfigDict (settings.load checks it before the heavy imports: ConfigError) or
-  its settings.Settings (entry 'sft')."""
+  its settings.Settings (entry 'sft'). `step_cache`: an engine.StepCachePool for the evaluation
+  rollout's compiled steps (train.train takes one too: GRPO from this checkpoint in the same
+  process reuses them)."""
   st = config if isinstance(config, settings.Settings) else settings.load(config, "sft")
   import jax
   import jax.numpy as jnp
@@ -103,7 +105,7 @@ def sft(config, *, progress: bool = False) -> dict:
                               output_dir=s.output_dir))
   tasks_lib.write_prompts_jsonl(rows, c.rollout.prompts)
   res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
-                   progress=False)
+                   progress=False, step_cache=step_cache)
   reward_fn = tasks_lib.load_reward_fn(st.rl.reward_fn)
   by_id = {r["id"]: r for r in rows}
   rewards = [float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in res.responses]

@@ -140,9 +140,13 @@ def _check_finite(name: str, values, resp, step: int) -> None:
                      "trained on or saved")
 
 
-def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -> list[dict]:
+def train(config, *, stop_after: Optional[int] = None, progress: bool = False,
+          step_cache=None) -> list[dict]:
   """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
   `stop_after`: return after that step (tests: an in-process interruption).
+  `step_cache`: the engine.StepCachePool that keeps the rollouts' compiled steps; pass one to
+  several runs in a process (a sweep, a resumed run) and runs of the same engine spec reuse them
+  instead of tracing and loading them again; by default one for this run.
   output_dir is checked and locked before anything is compiled: a second run on it fails at
   once naming the holder's pid (two runs would interleave checkpoints and history).
   settings.load(config, "train") checks every field first, before the heavy imports (a bad
@@ -161,14 +165,14 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False) -
     except outputs.OutputDirError as e:
       raise TrainError(str(e)) from None
   try:
-    return _train(config, st, stop_after=stop_after, progress=progress)
+    return _train(config, st, stop_after=stop_after, progress=progress, step_cache=step_cache)
   finally:
     if lock is not None:
       lock.release()
 
 
-def _train(config, st: settings.Settings, *, stop_after: Optional[int],
-           progress: bool) -> list[dict]:
+def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress: bool,
+           step_cache) -> list[dict]:
   """The loop; `config` itself only for the checkpoints (rl/checkpoints.py)."""
   import jax
   import optax
@@ -250,7 +254,8 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int],
 
   t_max = st.rollout.max_prompt_len + st.rollout.max_new_tokens
   g = st.rollout.samples_per_prompt
-  pool = engine_lib.StepCachePool()  # compiled steps kept across the steps' rollouts
+  # compiled steps kept across the steps' rollouts
+  pool = step_cache if step_cache is not None else engine_lib.StepCachePool()
   rollout_params = actor_lib.replicate(params, mesh)
   # Released workers score finished responses during the rollout (flexfloor; one process).
   scorer = None
