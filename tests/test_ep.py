@@ -206,6 +206,13 @@ def _layer_fn(st):
                                out_specs=(P(EP), P(EP), P(EP)), check_vma=False))
 
 
+def _skewed_router(lp, rest_lp):
+  """Layer 0's router scaled down, plus a bias towards experts 6 and 7, placed as the setup's
+  own router is (the same argument layout, so the same compiled layer)."""
+  bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
+  return jax.device_put(lp["router"] * 0.01 + bias, rest_lp["router"].sharding)
+
+
 def _layer_inputs(params, st, n, t, router, seed):
   """(layer-0 non-expert params, tokens [n*t, D], valid [n*t]) with about a quarter of the tokens
   invalid; 'skewed' routes every copy to experts 6 and 7."""
@@ -214,9 +221,8 @@ def _layer_inputs(params, st, n, t, router, seed):
   rng = np.random.default_rng(seed)
   x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
   if router == "skewed":
-    bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
     # Tokens with a positive mean push the logits of experts 6 and 7 far above the rest.
-    rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
+    rest_lp = {**rest_lp, "router": _skewed_router(lp, rest_lp)}
     # Positive tokens (logits of 6 and 7 ~ sum(x) far above the rest), scaled so the expert
     # activations stay O(1): at |x| ~ 1.3 they reach ~22 and both fp32 paths drift ~2.5e-4 from
     # a float64 evaluation on some CPUs (AMD EPYC: ep vs dense 3.6e-4), which is conditioning,
@@ -328,8 +334,7 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
   fills a smaller bucket to its last row with invalid copies behind it (an invalid copy's -1 send
   position once wrapped onto that row and overwrote a valid copy)."""
   st = setups(n)
-  bucketed = copy.copy(st)
-  bucketed.ep = dataclasses.replace(st.ep, capacity_buckets=(8, 4, 2))
+  bucketed = _variant(setups, n, capacity_buckets=(8, 4, 2))
   lp = _layer0(params)
   t = 24
   e2s = np.asarray(st.e2s)
@@ -338,8 +343,7 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
     rng = np.random.default_rng(40 + n)
     x = rng.standard_normal((n * t, TINY.hidden_size)).astype(np.float32)
     if router != "random":
-      bias = jnp.zeros((TINY.hidden_size, TINY.num_experts)).at[:, 6:].set(1.0)
-      rest_lp = {**rest_lp, "router": lp["router"] * 0.01 + bias}
+      rest_lp = {**rest_lp, "router": _skewed_router(lp, rest_lp)}
       x = (np.abs(x) + 0.5) * 0.25
     valid = rng.random(n * t) > 0.25
     if router == "full":
