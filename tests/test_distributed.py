@@ -145,7 +145,7 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
   # The load: under `pytest -n 2` (README) the suite's other worker (the suite is CPU-bound: both
   # workers are busy until its last files); run alone, a burner.
   alone = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") == "1"
-  burners = [subprocess.Popen([sys.executable, "-c", _BURN]) for _ in range(int(alone))]
+  burners = [subprocess.Popen([sys.executable, "-c", _BURN])] if alone else []
   try:
     _, t2 = _rollout(two, "flexfloor", 2, DEFAULT_SIZES, timeout=1200)
   finally:
