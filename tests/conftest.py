@@ -5,6 +5,12 @@ import os
 import xla_env
 
 os.environ.setdefault("XLA_FLAGS", xla_env.suite_flags())
+# JAX writes the cache directory's path into every persistent-cache key (as XLA's GPU autotune
+# cache directory, an option it sets on CPU too), so a copy of the cache at another path never
+# hits. Without that option a key depends on the program and the flags only, and the SIGKILL
+# test's child (test_rl_train.py) loads the executables from its copy of this cache instead of
+# compiling them all again. Child processes inherit the setting with the environment.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", "none")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

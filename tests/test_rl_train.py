@@ -101,7 +101,8 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path, step_caches):
           "--config.rl.routing_replay=true"]
   # The trainer CLI reads a copy of the suite's persistent compilation cache (warmed by
   # `straight`): JAX writes cache entries in place, and the kill may land in the middle of one
-  # that this process or the other xdist worker would read.
+  # that this process or the other xdist worker would read. (The copy hits: conftest.py keeps the
+  # cache's path out of the keys.)
   cache = tmp_path / "jax_cache"
   shutil.copytree(CACHE, cache, dirs_exist_ok=True)
   env = dict(os.environ, FLEXFLOOR_JAX_CACHE=str(cache))  # this process's XLA_FLAGS
