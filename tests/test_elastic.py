@@ -84,7 +84,13 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path, step_caches
   assert flex.summary["device_steps"] < static.summary["device_steps"]
 
 
-def test_release_moves_only_released_experts_and_keeps_buffers(params):
+def _pooled_steps(step_caches, spec, params, devices, chain):
+  """The session's StepCache of `spec` on these devices: the runner's flexfloor spec is the one
+  the runner tests above ran, so its StepSets are built already (no trace, lower or load)."""
+  return step_caches.get(spec, devices, chain, *engine_lib.abstract_split(params))
+
+
+def test_release_moves_only_released_experts_and_keeps_buffers(params, step_caches):
   """Shrink 8 -> 6 with two live workers left alone: bytes sent = the released workers'
   experts, measured from the transfers; the survivors' buffers are the same buffers. (The
   runner's flexfloor spec: its executables are compiled already.)"""
@@ -93,6 +99,7 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params):
   spec = engine_utils.rollout_spec(MODEL)
   placement = ExpertPlacement.initial(MODEL.num_experts, chain, spec.expert_slots, num_workers=8)
   eng = engine_lib.Engine(spec, params, devices, chain, placement, seed=0,
+                          step_cache=_pooled_steps(step_caches, spec, params, devices, chain),
                           prefetch_sizes=[6])
   rng = np.random.default_rng(0)
   eng.add_sequences({i: engine_lib.SeqInput(tokens=rng.integers(0, 256, 10).astype(np.int32),
@@ -382,7 +389,7 @@ def _live_bytes(exclude):
   return per_device
 
 
-def test_live_bytes_match_the_floor_at_every_mesh_size(params):
+def test_live_bytes_match_the_floor_at_every_mesh_size(params, step_caches):
   """Every mesh size of the tiny preset from 8 workers down to the floor (1: the runner's
   flexfloor spec, every expert on one worker; its executables are compiled already), by the
   engine's own releases: each active device holds the floor's resident bytes (non-expert + its
@@ -392,12 +399,13 @@ def test_live_bytes_match_the_floor_at_every_mesh_size(params):
   before = jax.live_arrays()  # kept alive to the end: the test's own arrays (params)
   devices, chain, e = jax.devices()[:8], list(range(8)), MODEL.num_experts
   terms = memory.floor_terms(MODEL, slots_per_worker=2, max_seq_len=96, max_new_tokens=32)
-  spec = engine_utils.rollout_spec(MODEL, warm_up=False)
+  spec = engine_utils.rollout_spec(MODEL)
   slots = spec.expert_slots
   assert slots == e and terms.floor(e, terms.per_device(slots), 8) == 1  # the floor: 1 worker
   placement = ExpertPlacement.initial(e, chain, slots, num_workers=8)
   host_params = jax.tree.map(np.asarray, params)  # no device buffer that the engine could alias
   eng = engine_lib.Engine(spec, host_params, devices, chain, placement, seed=0,
+                          step_cache=_pooled_steps(step_caches, spec, host_params, devices, chain),
                           prefetch_sizes=range(7, 0, -1))
   eng.steps.wait_all()
   want = terms.resident(slots)
