@@ -18,7 +18,7 @@ from rl_utils import grpo_config
 TOL = 1e-4  # fp32, the bound
 
 
-def test_rollout_logprobs_equal_training_forward(tmp_path):
+def test_rollout_logprobs_equal_training_forward(tmp_path, step_caches):
   c = grpo_config(tmp_path)
   c.rollout.prompts = str(tmp_path / "prompts.jsonl")
   c.rollout.output_dir = str(tmp_path)
@@ -29,7 +29,7 @@ def test_rollout_logprobs_equal_training_forward(tmp_path):
   params = tfm.init_params(cfg, jax.random.key(11), scale=0.1)  # fresh weights for this test
   tok = ByteTokenizer()
   res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
-                   progress=False)
+                   progress=False, step_cache=step_caches)
   assert len({r["worker"] for r in res.responses}) > 1
   ptoks = {r["id"]: tok.encode(r["prompt"], add_bos=True) for r in rows}
   t_max = c.rollout.max_prompt_len + c.rollout.max_new_tokens

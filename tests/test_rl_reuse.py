@@ -17,7 +17,7 @@ from flexfloor_jax.tokenizer import ByteTokenizer
 from rl_utils import grpo_config
 
 
-def test_released_workers_logprobs_equal_full_mesh(tmp_path):
+def test_released_workers_logprobs_equal_full_mesh(tmp_path, step_caches):
   c = grpo_config(tmp_path)
   c.rollout.prompts = str(tmp_path / "prompts.jsonl")
   c.rollout.output_dir = str(tmp_path)
@@ -45,7 +45,7 @@ def test_released_workers_logprobs_equal_full_mesh(tmp_path):
   scorer.reset(p_mesh, ptoks)
   released = []
   res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
-                   progress=False,
+                   progress=False, step_cache=step_caches,
                    on_release=lambda d, f: (released.append(len(d)), scorer.on_release(d, f)))
   done = scorer.results()
   scorer.close()
