@@ -97,6 +97,7 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path, step_caches):
           "--config.rollout.max_prompt_len=24", "--config.rollout.max_new_tokens=12",
           "--config.rollout.samples_per_prompt=2", "--config.rollout.slots_per_worker=1",
           "--config.rl.num_prompts=4", "--config.rl.task_size=2",
+          "--config.scheduler.release_sizes=pow2",
           f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}",
           "--config.rl.routing_replay=true"]
   # The trainer CLI reads a copy of the suite's persistent compilation cache (warmed by
