@@ -207,12 +207,11 @@ def _rollout(pool, seed: int, schedule: str = "flexfloor"):
 
 
 @pytest.mark.slow
-def test_cpu_preset_fitted_on_one_workload_predicts_another():
+def test_cpu_preset_fitted_on_one_workload_predicts_another(step_caches):
   """Real rollouts on two workloads (seeds): the cpu preset fitted on the first (run before and
   after the second) predicts the second's device_steps exactly (same policy code) and wall time
-  within 25%."""
-  from flexfloor_jax import engine
-  pool = engine.StepCachePool()
+  within 25%. (The session's step caches: the bench tests' executables when they ran here.)"""
+  pool = step_caches
   # the process's first rollout also pays one-time costs (XLA:CPU compiles kernels at their first
   # execution) that a per-step cost model does not describe: fit on a warm run
   _rollout(pool, seed=0)
