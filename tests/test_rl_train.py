@@ -18,7 +18,7 @@ from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import train
 
-from rl_utils import ROOT, grpo_config
+from rl_utils import ROOT, config_flags, grpo_config
 
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(ROOT, ".jax_cache"))
 
@@ -92,14 +92,7 @@ def test_resume_after_sigkill_bitwise(straight, tmp_path, step_caches):
   _, full = straight
   cfg = _config(tmp_path)
   args = [sys.executable, "-m", "flexfloor_jax.rl.train", "--config=configs/grpo.py",
-          f"--config.output_dir={tmp_path}", "--config.steps=3", "--config.checkpoint_every=2",
-          "--config.model.checkpoint=", "--config.model.max_seq_len=40",
-          "--config.rollout.max_prompt_len=24", "--config.rollout.max_new_tokens=12",
-          "--config.rollout.samples_per_prompt=2", "--config.rollout.slots_per_worker=1",
-          "--config.rl.num_prompts=4", "--config.rl.task_size=2",
-          "--config.scheduler.release_sizes=pow2",
-          f"--config.rl.lr={cfg.rl.lr}", f"--config.rl.kl_beta={cfg.rl.kl_beta}",
-          "--config.rl.routing_replay=true"]
+          f"--config.output_dir={tmp_path}", *config_flags(cfg, ("rl.routing_replay",))]
   # The trainer CLI reads a copy of the suite's persistent compilation cache (warmed by
   # `straight`): JAX writes cache entries in place, and the kill may land in the middle of one
   # that this process or the other xdist worker would read. (The copy hits: conftest.py keeps the
