@@ -80,10 +80,19 @@ def param_specs(params: Params) -> Params:
   return mesh_lib.tree_specs(param_logical_axes(params))
 
 
-def scan_layers(fn, carry, layers: Params, *extra_xs):
-  """lax.scan over the layers without slicing the expert weights: a scanned operand is copied
-  layer by layer, which for expert slots would move every slot's weights on every step. The
-  expert arrays are passed whole with the layer index ('layer'); moe_fn indexes them."""
+def scan_layers(fn, carry, layers: Params, *extra_xs, whole_experts: bool = True):
+  """lax.scan over the layers. whole_experts=True (prefill, decode) does not slice the expert
+  weights: a scanned operand is copied layer by layer, which for expert slots would move every
+  slot's weights on every step. The expert arrays are passed whole with the layer index
+  ('layer'); moe_fn indexes them.
+
+  whole_experts=False (the training forward) scans them like every other weight: under autodiff
+  the whole stacks are loop-invariant operands of the scan, so every layer's backward would add
+  a gradient of all layers' experts into the running total (L times the expert-gradient traffic
+  of the layer's own slice)."""
+  if not whole_experts:
+    n = jax.tree.leaves(layers)[0].shape[0]
+    return jax.lax.scan(lambda c, xs: fn(c, *xs), carry, (layers, *extra_xs), length=n)
   experts = {k: layers[k] for k in EXPERT_KEYS if k in layers}
   rest = {k: v for k, v in layers.items() if k not in experts}
   n = jax.tree.leaves(rest)[0].shape[0]
@@ -282,7 +291,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
     return _mlp(cfg, lp, x, valid_BT, moe_fn)
 
   layers = params["layers"] if route_LBTK is None else {**params["layers"], "route": route_LBTK}
-  x, aux = scan_layers(layer, x, layers)
+  x, aux = scan_layers(layer, x, layers, whole_experts=False)
   logits = _logits(params, cfg, x)
   return (logits, aux, x) if return_hidden else (logits, aux)
 
