@@ -44,6 +44,7 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda it: rank.get(os.path.basename(str(it.fspath)), len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: no error without it
 def pytest_xdist_make_scheduler(config, log):
   """`--dist loadfile` as xdist does it, with the files of _FIRST at the head of its queue."""
   if config.getvalue("dist") != "loadfile":
