@@ -30,7 +30,7 @@ def _config(out, sft_dir, *, schedule, lr, steps=STEPS):
 
 
 @pytest.mark.slow
-def test_grpo_beats_lr0_control_on_both_schedules(tmp_path, step_caches):
+def test_grpo_beats_lr0_control_and_static_equals_flexfloor(tmp_path, step_caches):
   warm = sft.sft(_config(tmp_path / "x", tmp_path / "sft", schedule="flexfloor", lr=0.0),
                  step_cache=step_caches)
   assert 0.0 < warm["eval/score/mean"] < 0.5  # a weak but non-zero start: room to learn
