@@ -33,9 +33,7 @@ def grpo_config(out_dir, *, steps=3, schedule="flexfloor", lr=1e-3, checkpoint_e
   c = load_config("grpo", "tiny")
   c.steps, c.output_dir, c.checkpoint_every = steps, str(out_dir), checkpoint_every
   c.schedule = schedule
-  for path, value in SIZES.items():
-    section, field = path.split(".")
-    c[section][field] = value
+  c.update_from_flattened_dict(SIZES)
   c.rl.lr = lr
   return c
 

@@ -91,8 +91,7 @@ def scan_layers(fn, carry, layers: Params, *extra_xs, whole_experts: bool = True
   a gradient of all layers' experts into the running total (L times the expert-gradient traffic
   of the layer's own slice)."""
   if not whole_experts:
-    n = jax.tree.leaves(layers)[0].shape[0]
-    return jax.lax.scan(lambda c, xs: fn(c, *xs), carry, (layers, *extra_xs), length=n)
+    return jax.lax.scan(lambda c, xs: fn(c, *xs), carry, (layers, *extra_xs))
   experts = {k: layers[k] for k in EXPERT_KEYS if k in layers}
   rest = {k: v for k, v in layers.items() if k not in experts}
   n = jax.tree.leaves(rest)[0].shape[0]
