@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -41,16 +42,19 @@ def test_config_keeps_mixtral_defaults():
 
 @pytest.fixture(scope="module")
 def small_bench(tmp_path_factory):
+  """The small bench as a user runs it (the CLI, 8 emulated devices): 2 epochs of 16 sequences
+  (small_config's sizes; compiled shapes unchanged)."""
   tmp = tmp_path_factory.mktemp("bench")
-  c = small_config(tmp)
-  doc, timelines, records = runs.run_bench(c, progress=False)
-  report.write_outputs(doc, timelines, records, c.output_dir)
-  return c, pathlib.Path(c.output_dir)
+  r = _cli(tmp, "--config.epochs=2", "--config.rollout.num_prompts=4",
+           "--config.rollout.samples_per_prompt=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  return r, tmp / "out"
 
 
 def test_bench_json_structure_and_ratios(small_bench):
-  c, out = small_bench
+  _, out = small_bench
   doc = json.loads((out / "bench.json").read_text())
+  # the flags reached the run
   assert doc["config"]["epochs"] == 2 and doc["config"]["rollout"]["num_prompts"] == 4
   assert [e["epoch"] for e in doc["epochs"]] == [0, 1]
   for e in doc["epochs"]:
@@ -82,7 +86,7 @@ def test_bench_json_structure_and_ratios(small_bench):
 
 
 def test_bench_outputs(small_bench):
-  c, out = small_bench
+  _, out = small_bench
   assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   names = sorted(p.name for p in (out / "runs").iterdir())
   assert names == sorted(f"{n}_e{k}.json" for n in ("static", "balanced", "flexfloor",
@@ -100,7 +104,7 @@ def test_bench_outputs(small_bench):
 
 
 def test_sim_cli_calibrates_on_bench_runs(small_bench):
-  c, out = small_bench
+  _, out = small_bench
   runs = out / "runs"
   r = subprocess.run(
       [sys.executable, "-m", "flexfloor_jax.sim",
@@ -117,8 +121,8 @@ def test_sim_cli_calibrates_on_bench_runs(small_bench):
 
 
 def _cli(tmp_path, *args, timeout=300):
-  import os
-  env = dict(os.environ, FLEXFLOOR_JAX_CACHE=str(ROOT / ".jax_cache"))
+  env = dict(os.environ)
+  env.setdefault("FLEXFLOOR_JAX_CACHE", str(ROOT / ".jax_cache"))  # the suite's (conftest.py)
   env["XLA_FLAGS"] = xla_env.child_flags()  # the CLI emulates its own 8 devices
   return subprocess.run([sys.executable, "-m", "flexfloor_jax.bench", "--config=configs/bench.py",
                          f"--config.output_dir={tmp_path / 'out'}", *args], cwd=ROOT, env=env,
@@ -138,16 +142,12 @@ def test_cli_bad_input_is_one_line(tmp_path, arg, field):
   assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
-def test_cli_prints_the_table(tmp_path):
-  r = _cli(tmp_path, "--config.epochs=1", "--config.rollout.num_prompts=2",
-           "--config.rollout.samples_per_prompt=4", "--config.release_only=False")
-  assert r.returncode == 0, r.stderr[-3000:]
+def test_cli_prints_the_table(small_bench):
+  r, out = small_bench
   assert "flexfloor/static" in r.stdout and "paper 1.654" in r.stdout
   assert "epoch 0" in r.stderr  # the progress bar
-  doc = json.loads((tmp_path / "out" / "bench.json").read_text())
-  assert [e["epoch"] for e in doc["epochs"]] == [0] and "release_only" not in doc["epochs"][0]
-
+  doc = json.loads((out / "bench.json").read_text())
+  assert report.format_table(doc) in r.stdout
 
 
 def test_sequences_from_a_checkpoint(tmp_path):
@@ -200,6 +200,7 @@ def test_paged_bench_same_pool_replayed_exactly(paged_bench):
   c, doc, out = paged_bench
   names = ("static", "balanced", "flexfloor")
   (e,) = doc["epochs"]
+  assert "release_only" not in e and "release_compaction" not in e  # release_only=False
   seq_len = e["static"]["max_seq_len"]  # model.max_seq_len 0: resolved by the runner
   pages = equal_budget_pages(c.rollout.slots_per_worker, seq_len, c.rollout.page_size)
   fixed = e["static"]["kv_fixed_slot_bytes"]
@@ -231,7 +232,7 @@ def test_paged_bench_same_pool_replayed_exactly(paged_bench):
 
 
 def test_fixed_slot_bench_has_no_pool_columns(small_bench):
-  c, out = small_bench
+  _, out = small_bench
   doc = json.loads((out / "bench.json").read_text())
   assert not report.is_paged(doc) and "kv_pool" not in doc["epochs"][0]
   assert "pool B/worker" not in report.format_table(doc)
