@@ -262,7 +262,8 @@ class PagePool:
         self.free(w, s)
         out.append((w, s, q))
       for s in rows:
-        self._take(w, s, int(need[s]))
+        if need[s]:  # most steps a row's last page still has room
+          self._take(w, s, int(need[s]))
     return out
 
   def move(self, moves: list[tuple[int, int, int, int]]) -> list[bool]:
