@@ -90,6 +90,24 @@ def _pooled_steps(step_caches, spec, params, devices, chain):
   return step_caches.get(spec, devices, chain, *engine_lib.abstract_split(params))
 
 
+def test_rollout_from_an_orbax_checkpoint_equals_the_weights_in_memory(params, tmp_path,
+                                                                        step_caches):
+  """`model.checkpoint` an orbax checkpoint (restored onto one device, as load_orbax does without
+  shardings) on 8 workers: the responses of the same weights passed in memory, bit for bit.
+  Before: the expert-slot gather refused the weights (committed to another device)."""
+  from flexfloor_jax.model import checkpoint as ckpt
+  c = get_config()
+  c.rollout.lengths = "model"  # what 'auto' picks with a checkpoint: EOS or the cap ends a response
+  mem = run(c, params, tmp_path, "mem", step_cache=step_caches)
+  ckpt.save_orbax(str(tmp_path / "ckpt"), params, MODEL)
+  c.model.checkpoint = str(tmp_path / "ckpt")
+  c.rollout.output_dir = str(tmp_path / "from_ckpt")
+  got = runner.run(c, write_outputs=False, progress=False, step_cache=step_caches)
+  key = lambda res: [(r["prompt_id"], r["sample"], r["tokens"], r["logprobs"])
+                     for r in res.responses]
+  assert key(got) == key(mem) and len(mem.responses) > 0
+
+
 def test_release_moves_only_released_experts_and_keeps_buffers(params, step_caches):
   """Shrink 8 -> 6 with two live workers left alone: bytes sent = the released workers'
   experts, measured from the transfers; the survivors' buffers are the same buffers. (The

@@ -173,4 +173,15 @@ def slot_layout(experts: dict, slot_expert_NS: np.ndarray, sharding: NamedShardi
   idx = np.maximum(flat, 0).astype(np.int32)
   empty = flat < 0
   gather = _slot_gather(sharding)
-  return {k: gather(v, idx, empty) for k, v in experts.items()}
+  return {k: gather(_onto_mesh(v, sharding), idx, empty) for k, v in experts.items()}
+
+
+def _onto_mesh(w, sharding: NamedSharding):
+  """`w` as the gather takes it: an array committed to other devices than the target mesh's (a
+  checkpoint restored onto one device) is copied onto the mesh first, replicated, as a jitted
+  computation refuses it (uncommitted arrays and arrays already on the mesh pass as they are)."""
+  if (not isinstance(w, jax.Array) or not w.committed
+      or w.sharding.device_set == sharding.device_set):
+    return w
+  src = w if jax.process_count() == 1 else np.asarray(w)  # no cross-host device_put on CPU
+  return jax.device_put(src, mesh_lib.replicated(sharding.mesh))
