@@ -42,11 +42,12 @@ def test_config_keeps_mixtral_defaults():
 
 @pytest.fixture(scope="module")
 def small_bench(tmp_path_factory):
-  """The small bench as a user runs it (the CLI, 8 emulated devices): 2 epochs of 16 sequences
-  (small_config's sizes; compiled shapes unchanged)."""
+  """The small bench as a user runs it (the CLI, 8 emulated devices), at small_config's sizes."""
   tmp = tmp_path_factory.mktemp("bench")
-  r = _cli(tmp, "--config.epochs=2", "--config.rollout.num_prompts=4",
-           "--config.rollout.samples_per_prompt=4")
+  c = small_config(tmp)
+  r = _cli(tmp, f"--config.epochs={c.epochs}",
+           f"--config.rollout.num_prompts={c.rollout.num_prompts}",
+           f"--config.rollout.samples_per_prompt={c.rollout.samples_per_prompt}")
   assert r.returncode == 0, r.stderr[-3000:]
   return r, tmp / "out"
 

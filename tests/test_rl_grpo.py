@@ -56,14 +56,14 @@ def _lr0_control(c, epochs, step_caches) -> dict[int, float]:
   reward_fn = tasks_lib.load_reward_fn(rl.reward_fn)
   devices = mesh_lib.select_devices(st.mesh.num_devices)
   params = actor_lib.replicate(params, mesh_lib.make_ep_mesh(devices))  # as train.train does
+  tokenizer = load_tokenizer(st.model.checkpoint, cfg)
   out = {}
   for e in epochs:
     res = runner.run(st.replace(rollout=dict(prompts=path, epoch=e, output_dir=out_dir)),
                      devices=devices, params=params, model_cfg=cfg,
-                     tokenizer=load_tokenizer(st.model.checkpoint, cfg), write_outputs=False,
-                     progress=False, step_cache=step_caches)
-    out[e] = float(np.mean([reward_fn(by_id[r["prompt_id"]], r["text"])
-                            for r in res.responses]))
+                     tokenizer=tokenizer, write_outputs=False, progress=False,
+                     step_cache=step_caches)
+    out[e] = float(np.mean(tasks_lib.score_responses(reward_fn, by_id, res.responses)))
   return out
 
 

@@ -108,7 +108,7 @@ def sft(config, *, progress: bool = False, step_cache=None) -> dict:
                    progress=False, step_cache=step_cache)
   reward_fn = tasks_lib.load_reward_fn(st.rl.reward_fn)
   by_id = {r["id"]: r for r in rows}
-  rewards = [float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in res.responses]
+  rewards = tasks_lib.score_responses(reward_fn, by_id, res.responses)
   out = {"steps": s.steps, "final_loss": float(np.mean(losses[-10:])), "first_loss": losses[0],
          "train_seconds": train_s, "checkpoint": path,
          "eval/score/mean": float(np.mean(rewards)),

@@ -92,6 +92,14 @@ def reward(prompt: dict, response: str) -> float:
   return 0.5 * _partial(got, want)
 
 
+def score_responses(reward_fn: Callable[[dict, str], float], prompts_by_id: dict,
+                    responses: Iterable[dict]) -> np.ndarray:
+  """[responses] float64: `reward_fn` of each response (a rollout's rows: prompt_id, text) to its
+  prompt row."""
+  return np.array([float(reward_fn(prompts_by_id[r["prompt_id"]], r["text"])) for r in responses],
+                  np.float64)
+
+
 def load_reward_fn(spec: Optional[str]) -> Callable[[dict, str], float]:
   """'' -> the built-in reward; 'package.module:function' -> that callable."""
   if not spec:

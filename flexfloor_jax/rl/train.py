@@ -279,7 +279,7 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress
     t_gen = time.perf_counter() - t0
     history.save(history_path)
     resp = res.responses
-    rewards = np.array([float(reward_fn(by_id[r["prompt_id"]], r["text"])) for r in resp])
+    rewards = tasks_lib.score_responses(reward_fn, by_id, resp)
     _check_finite("the reward", rewards, resp, step)
     _check_finite("a rollout log-prob", [r["logprobs"] for r in resp], resp, step)
     lens = np.array([r["num_tokens"] for r in resp], float)
