@@ -9,7 +9,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What grpo_config sets over configs/grpo.py's tiny preset, besides the run's own fields; a
 # trainer child gets the same values as flags (config_flags), so both run the same programs.
 SIZES = {
-    "scheduler.release_sizes": "pow2",  # 4 compiled meshes instead of 8: test time
+    "scheduler.release_sizes": "2",  # 8 -> 2 -> 1: 3 compiled meshes instead of 8: test time
     "model.checkpoint": "",
     "model.max_seq_len": 40,
     "rollout.max_prompt_len": 24,

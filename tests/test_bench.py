@@ -42,12 +42,15 @@ def test_config_keeps_mixtral_defaults():
 
 @pytest.fixture(scope="module")
 def small_bench(tmp_path_factory):
-  """The small bench as a user runs it (the CLI, 8 emulated devices), at small_config's sizes."""
+  """The small bench as a user runs it (the CLI, 8 emulated devices), at small_config's sizes,
+  releasing onto the main job's sizes (configs/mixtral.py: 6, 4, 2, then the floor), whose
+  meshes the CLI, notebook and simulator tests compile too, instead of every size."""
   tmp = tmp_path_factory.mktemp("bench")
   c = small_config(tmp)
   r = _cli(tmp, f"--config.epochs={c.epochs}",
            f"--config.rollout.num_prompts={c.rollout.num_prompts}",
-           f"--config.rollout.samples_per_prompt={c.rollout.samples_per_prompt}")
+           f"--config.rollout.samples_per_prompt={c.rollout.samples_per_prompt}",
+           "--config.scheduler.release_sizes=6,4,2")
   assert r.returncode == 0, r.stderr[-3000:]
   return r, tmp / "out"
 

@@ -2,8 +2,10 @@
 do not depend on where or beside what they ran, continuous batching refills slots, and nothing
 compiles once the engine's step sets are built.
 
-One EngineSpec and one StepCache (over the chain of all 8 emulated devices) serve every test:
-meshes of 8 and 4 workers (the last 4 devices) are compiled once per session.
+One EngineSpec serves every test: the runner's flexfloor spec of tests/test_elastic.py
+(engine_utils.rollout_spec), through the session's StepCache over the chain of all 8 emulated
+devices, so the meshes of 8 and 4 workers (the last 4 devices) are the ones the runner tests
+compiled.
 """
 
 from __future__ import annotations
@@ -12,18 +14,17 @@ import jax
 import numpy as np
 import pytest
 
+import engine_utils
 from engine_utils import TINY, CompileCounter, make_params
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.policy import controller, planner, scheduler
 from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.sampling import SamplingParams, prompt_hash
+from flexfloor_jax.sampling import prompt_hash
 
-SLOTS = 4  # decode slots per worker
-MAX_NEW = 24
-SPEC = engine_lib.EngineSpec(
-    cfg=TINY, slots_per_worker=SLOTS, expert_slots=2,  # floor 4: ceil(8/4) expert slots
-    max_seq_len=64, max_prompt_len=16, max_new_tokens=MAX_NEW,
-    sampling=SamplingParams(temperature=1.0, top_p=0.9))
+# 2 decode slots per worker, 8 expert slots (floor 1), 32 new tokens, temperature 1.0, top_p 0.9
+SPEC = engine_utils.rollout_spec(TINY)
+SLOTS, MAX_NEW = SPEC.slots_per_worker, SPEC.max_new_tokens
+MAX_PROMPT = 16  # random prompts of 3..16 tokens (SPEC takes up to 48)
 CHAIN = list(range(8))
 
 
@@ -33,12 +34,8 @@ def params():
 
 
 @pytest.fixture(scope="module")
-def step_cache(params):
-  rest, experts = engine_lib.split_params(params)
-  abs_ = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-  cache = engine_lib.StepCache(SPEC, jax.devices(), CHAIN, abs_(rest), abs_(experts))
-  yield cache
-  cache.close()
+def step_cache(params, step_caches):
+  return step_caches.get(SPEC, jax.devices()[:8], CHAIN, *engine_lib.abstract_split(params))
 
 
 def make_seqs(num_prompts: int, samples: int, seed: int):
@@ -46,7 +43,7 @@ def make_seqs(num_prompts: int, samples: int, seed: int):
   rng = np.random.default_rng(seed)
   seqs, inputs = [], {}
   for p in range(num_prompts):
-    prompt = rng.integers(0, TINY.vocab_size, rng.integers(3, SPEC.max_prompt_len + 1))
+    prompt = rng.integers(0, TINY.vocab_size, rng.integers(3, MAX_PROMPT + 1))
     prompt = prompt.astype(np.int32)
     for j in range(samples):
       sid = len(seqs)
@@ -138,7 +135,7 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
   assert any(wa[k][0] == 0 and wb[k][0] == 7 for k in wa)
   assert any(wa[k][0] == 7 and wb[k][0] == 0 for k in wa)
   assert any(wa[k][1] == 0 and wb[k][1] != 0 for k in wa)
-  # Slot 0 in one run, slot 3 (the last) in another: a queued sequence took a freed slot.
+  # Slot 0 in one run, the last slot in another: a queued sequence took a freed slot.
   assert any(wa[k][1] == 0 and wc[k][1] == SLOTS - 1 for k in wa)
   company = lambda rec: {f.seq_id: f.worker for f in rec.finishes.values()}
   ca, cb = company(rec_a), company(rec_b)
@@ -165,7 +162,7 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
 
 
 def test_continuous_batching_and_no_compile_after_warm_up(params, step_cache):
-  """4 workers x 4 slots, 16 sequences queued per worker. From the controller's timeline (the
+  """4 workers x 2 slots, 16 sequences queued per worker. From the controller's timeline (the
   i-th prefill step record <-> the i-th prefill call): on every worker some queued sequence is
   prefilled before the last of its first 4 sequences finishes, i.e. slots refill while others
   still decode. And no compilation at all happens inside controller.run once the Engine (and
@@ -198,7 +195,7 @@ def test_continuous_batching_and_no_compile_after_warm_up(params, step_cache):
     last_first = max(finish_step[q] for q in first)
     early = [q for q in queued if prefill_step[q] < last_first]
     assert early, f"worker {w}: no queued sequence started before step {last_first}"
-    # Slots were reused: 16 sequences went through 4 slots.
+    # Slots were reused: 16 sequences went through every slot.
     assert len({eng.outputs[q].slot for q in queues[w]}) == SLOTS
   # The controller's timeline counts the decode steps the device program reports it ran.
   decode_records = [r for r in tl.steps if r["kind"] == "decode"]

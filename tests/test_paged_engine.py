@@ -181,7 +181,7 @@ def test_sampled_responses_equal_across_schedules_with_release(params, tmp_path,
   migrated page by page) give the same tokens and log-probs, bit for bit."""
   c = engine_utils.rollout_config()
   c.rollout.kv = "paged"
-  c.scheduler.release_sizes = "pow2"
+  c.scheduler.release_sizes = "2"  # 8 -> 2 -> 1: 3 meshes to compile
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
   c.schedule = "static"
   static = run(c, params, tmp_path, "static", step_caches)
@@ -207,14 +207,22 @@ SPEC2 = engine_lib.EngineSpec(  # engine-level tests: 2 workers, 3 rows of up to
     num_pages=12)
 
 
-def drive(params, prompts, rows, moves_at, placeholder=False, grown=False):
+@pytest.fixture(scope="module")
+def spec2_steps(params, step_caches):
+  """SPEC2's StepCache over the first 2 devices, from the session's pool: every engine of the
+  tests below runs the same executables instead of tracing and loading them again."""
+  return step_caches.get(SPEC2, jax.devices()[:2], [0, 1], *engine_lib.abstract_split(params))
+
+
+def drive(params, steps, prompts, rows, moves_at, placeholder=False, grown=False):
   """Greedy decode of `prompts` (seq id -> prompt; 20 tokens each) prefilled into `rows` (seq
   id -> (worker, row)) on SPEC2's 2 workers, dispatches of 4 steps; before dispatch i (after
   its growth) the migrations moves_at[i] run (PagePool.move, then Engine.migrate).
   placeholder: a row of worker 1 holds 3 pages and is never dispatched; grown: check that a
   migration carries a page the device has not written yet. Returns the outputs and the pool."""
   placement = ExpertPlacement.initial(MODEL.num_experts, [0, 1], 4, num_workers=2)
-  eng = engine_lib.Engine(SPEC2, params, jax.devices()[:2], [0, 1], placement, seed=1)
+  eng = engine_lib.Engine(SPEC2, params, jax.devices()[:2], [0, 1], placement, seed=1,
+                          step_cache=steps)
   eng.add_sequences({sid: engine_lib.SeqInput(tokens=p, limit=20, stop_eos=False, phash=sid,
                                               sample=0) for sid, p in prompts.items()})
   pool = PagePool(2, 12, 8, 3, SPEC2.pages_per_seq, margin=0.0)
@@ -264,30 +272,30 @@ def page_path(request, monkeypatch):
   return request.param
 
 
-def test_migration_moves_the_live_pages_into_the_pools_ids(params, page_path):
+def test_migration_moves_the_live_pages_into_the_pools_ids(params, spec2_steps, page_path):
   """Engine level: a sequence decodes on worker 0, its table grows once more than the device
   has seen (growth before a dispatch that a migration comes before), then PagePool.move puts it
   on worker 1 at other page ids (a placeholder holds worker 1's first pages), and it finishes
   there with the tokens and log-probs of a run that never moved, bit for bit."""
   prompts = {0: np.arange(3, 14, dtype=np.int32)}
-  ref, _ = drive(params, prompts, {0: (0, 0)}, {}, placeholder=True)
-  out, pool = drive(params, prompts, {0: (0, 0)}, {1: [(0, 0, 1, 1)]}, placeholder=True,
-                    grown=True)
+  ref, _ = drive(params, spec2_steps, prompts, {0: (0, 0)}, {}, placeholder=True)
+  out, pool = drive(params, spec2_steps, prompts, {0: (0, 0)}, {1: [(0, 0, 1, 1)]},
+                    placeholder=True, grown=True)
   assert (out[0].worker, out[0].slot) == (1, 1) and (ref[0].worker, ref[0].slot) == (0, 0)
   assert out[0].tokens == ref[0].tokens and out[0].logprobs == ref[0].logprobs
   assert len(ref[0].tokens) == 20
 
 
-def test_crossing_migrations_take_every_page_before_writing(params, page_path):
+def test_crossing_migrations_take_every_page_before_writing(params, spec2_steps, page_path):
   """Sequences cross between the workers in one migration: worker 1 sends two (C, then B) and
   receives A, which the pool puts on the pages C just gave back. A device is a source twice, so
   C goes in a later round than A's write: the page movers must read every page first."""
   prompts = {0: np.arange(3, 14, dtype=np.int32), 1: np.arange(20, 29, dtype=np.int32),
              2: np.arange(40, 52, dtype=np.int32)}
   rows = {0: (0, 0), 2: (1, 0), 1: (1, 1)}  # A on worker 0; C (lowest pages), B on worker 1
-  ref, _ = drive(params, prompts, rows, {})
+  ref, _ = drive(params, spec2_steps, prompts, rows, {})
   moves = [(1, 1, 0, 1), (0, 0, 1, 2), (1, 0, 0, 2)]
-  out, pool = drive(params, prompts, rows, {1: moves})
+  out, pool = drive(params, spec2_steps, prompts, rows, {1: moves})
   for sid in prompts:
     assert out[sid].worker == 1 - ref[sid].worker
     assert out[sid].tokens == ref[sid].tokens and out[sid].logprobs == ref[sid].logprobs
