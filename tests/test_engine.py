@@ -21,10 +21,11 @@ from flexfloor_jax.policy import controller, planner, scheduler
 from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.sampling import prompt_hash
 
-# 2 decode slots per worker, 8 expert slots (floor 1), 32 new tokens, temperature 1.0, top_p 0.9
-SPEC = engine_utils.rollout_spec(TINY)
-SLOTS, MAX_NEW = SPEC.slots_per_worker, SPEC.max_new_tokens
-MAX_PROMPT = 16  # random prompts of 3..16 tokens (SPEC takes up to 48)
+# rollout_config's engine: 2 decode slots per worker, 8 expert slots (floor 1), 32 new tokens,
+# temperature 1.0, top_p 0.9
+SLOTS = engine_utils.rollout_config().rollout.slots_per_worker
+MAX_NEW = engine_utils.rollout_config().rollout.max_new_tokens
+MAX_PROMPT = 16  # random prompts of 3..16 tokens (the spec takes up to 48)
 CHAIN = list(range(8))
 
 
@@ -35,7 +36,9 @@ def params():
 
 @pytest.fixture(scope="module")
 def step_cache(params, step_caches):
-  return step_caches.get(SPEC, jax.devices()[:8], CHAIN, *engine_lib.abstract_split(params))
+  spec = engine_utils.rollout_spec(TINY)
+  assert (spec.slots_per_worker, spec.max_new_tokens) == (SLOTS, MAX_NEW)
+  return step_caches.get(spec, jax.devices()[:8], CHAIN, *engine_lib.abstract_split(params))
 
 
 def make_seqs(num_prompts: int, samples: int, seed: int):
@@ -83,9 +86,10 @@ class Recorder:
 
 def make_engine(params, step_cache, n: int, inputs):
   active = CHAIN[len(CHAIN) - n:]  # StepCache meshes are tails of the chain
-  placement = ExpertPlacement.initial(TINY.num_experts, active, SPEC.expert_slots,
-                                              num_workers=len(CHAIN))
-  eng = engine_lib.Engine(SPEC, params, jax.devices(), active, placement, seed=7, epoch=2,
+  spec = step_cache.spec
+  placement = ExpertPlacement.initial(TINY.num_experts, active, spec.expert_slots,
+                                      num_workers=len(CHAIN))
+  eng = engine_lib.Engine(spec, params, jax.devices(), active, placement, seed=7, epoch=2,
                           step_cache=step_cache)
   eng.add_sequences(inputs)
   return eng, active
