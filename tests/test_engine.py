@@ -116,8 +116,9 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
   """24 sequences (12 prompts x 2 samples, random prompt lengths and limits, EOS on), sampled at
   temperature 1.0, top_p 0.9, three times: (A) 8 workers, static placement in input order;
   (B) 8 workers, dealt round-robin in reverse worker order, so every sequence runs on another
-  worker beside other sequences (worker 0's sequences move to 7 and 7's to 0); (C) 4 workers, a random permutation (6 sequences per worker: some wait in the
-  queue and start in a slot freed by another). Tokens and log-probs per (prompt_id, sample) are
+  worker beside other sequences (worker 0's sequences move to 7 and 7's to 0); (C) 4 workers, a
+  random permutation (6 sequences per worker: some wait in the queue and start in a slot freed
+  by another). Tokens and log-probs per (prompt_id, sample) are
   identical, exactly (measured: all equal)."""
   seqs, inputs = make_seqs(12, 2, seed=40)
   ids = [s.seq_id for s in seqs]
