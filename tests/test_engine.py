@@ -23,8 +23,8 @@ from flexfloor_jax.sampling import prompt_hash
 
 # rollout_config's engine: 2 decode slots per worker, 8 expert slots (floor 1), 32 new tokens,
 # temperature 1.0, top_p 0.9
-SLOTS = engine_utils.rollout_config().rollout.slots_per_worker
-MAX_NEW = engine_utils.rollout_config().rollout.max_new_tokens
+_ROLLOUT = engine_utils.rollout_config().rollout
+SLOTS, MAX_NEW = _ROLLOUT.slots_per_worker, _ROLLOUT.max_new_tokens
 MAX_PROMPT = 16  # random prompts of 3..16 tokens (the spec takes up to 48)
 CHAIN = list(range(8))
 

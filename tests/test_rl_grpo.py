@@ -9,8 +9,6 @@ lr=0, AdamW's update is zero and the weights never change, so step k of an lr=0 
 of epoch k-1 with the SFT weights (its first step is checked equal to the trained run's first
 step, which rolls out the same weights), without 12 updates that would leave them as they are."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -46,20 +44,14 @@ def _lr0_control(c, epochs, step_caches) -> dict[int, float]:
   st = settings.load(c, "train")
   cfg, params = ckpt.load_checkpoint(st.model.checkpoint)
   cfg = cfg.replace(dtype=st.model.dtype)
-  rl = st.rl
-  rows = tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
-  by_id = {r["id"]: r for r in rows}
-  out_dir = st.train.output_dir
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "prompts.jsonl")
-  tasks_lib.write_prompts_jsonl(rows, path)
-  reward_fn = tasks_lib.load_reward_fn(rl.reward_fn)
+  reward_fn, _, by_id, path = train.task_prompts(st)
   devices = mesh_lib.select_devices(st.mesh.num_devices)
   params = actor_lib.replicate(params, mesh_lib.make_ep_mesh(devices))  # as train.train does
   tokenizer = load_tokenizer(st.model.checkpoint, cfg)
   out = {}
   for e in epochs:
-    res = runner.run(st.replace(rollout=dict(prompts=path, epoch=e, output_dir=out_dir)),
+    res = runner.run(st.replace(rollout=dict(prompts=path, epoch=e,
+                                             output_dir=st.train.output_dir)),
                      devices=devices, params=params, model_cfg=cfg,
                      tokenizer=tokenizer, write_outputs=False, progress=False,
                      step_cache=step_caches)

@@ -171,6 +171,17 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False,
       lock.release()
 
 
+def task_prompts(st: settings.Settings):
+  """The run's prompt set (rl section), written to <train.output_dir>/prompts.jsonl for the
+  rollouts, and its reward: (reward_fn, prompt rows, rows by id, path of the prompts file)."""
+  rl = st.rl
+  os.makedirs(st.train.output_dir, exist_ok=True)
+  rows = tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
+  path = os.path.join(st.train.output_dir, "prompts.jsonl")
+  tasks_lib.write_prompts_jsonl(rows, path)
+  return tasks_lib.load_reward_fn(rl.reward_fn), rows, {r["id"]: r for r in rows}, path
+
+
 def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress: bool,
            step_cache) -> list[dict]:
   """The loop; `config` itself only for the checkpoints (rl/checkpoints.py)."""
@@ -187,12 +198,7 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress
   from flexfloor_jax.tokenizer import load_tokenizer
 
   out, rl = st.train.output_dir, st.rl
-  os.makedirs(out, exist_ok=True)
-  reward_fn = tasks_lib.load_reward_fn(rl.reward_fn)
-  rows = tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
-  by_id = {r["id"]: r for r in rows}
-  prompts_path = os.path.join(out, "prompts.jsonl")
-  tasks_lib.write_prompts_jsonl(rows, prompts_path)
+  reward_fn, rows, by_id, prompts_path = task_prompts(st)
 
   # -- model
   if st.model.checkpoint:
