@@ -99,15 +99,11 @@ def sft(config, *, progress: bool = False, step_cache=None) -> dict:
   ckpt.save_orbax(path, params, cfg)
 
   # Reward of the saved model on the RL prompt set (one rollout, the config's sampling).
-  rows = tasks_lib.make_prompts(st.rl.tasks, st.rl.num_prompts, st.rl.prompt_seed,
-                                st.rl.task_size)
   c = st.replace(rollout=dict(prompts=os.path.join(s.output_dir, "eval_prompts.jsonl"),
                               output_dir=s.output_dir))
-  tasks_lib.write_prompts_jsonl(rows, c.rollout.prompts)
+  reward_fn, _, by_id = tasks_lib.prompt_set(st.rl, c.rollout.prompts)
   res = runner.run(c, params=params, model_cfg=cfg, tokenizer=tok, write_outputs=False,
                    progress=False, step_cache=step_cache)
-  reward_fn = tasks_lib.load_reward_fn(st.rl.reward_fn)
-  by_id = {r["id"]: r for r in rows}
   rewards = tasks_lib.score_responses(reward_fn, by_id, res.responses)
   out = {"steps": s.steps, "final_loss": float(np.mean(losses[-10:])), "first_loss": losses[0],
          "train_seconds": train_s, "checkpoint": path,

@@ -74,6 +74,15 @@ def write_prompts_jsonl(rows: Iterable[dict], path: str) -> None:
   atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def prompt_set(rl, path: str):
+  """The prompt set of an `rl` settings section (tasks, num_prompts, prompt_seed, task_size,
+  reward_fn), written to `path` as rollout.prompts JSONL, and its reward: (reward_fn, prompt
+  rows, rows by id)."""
+  rows = make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
+  write_prompts_jsonl(rows, path)
+  return load_reward_fn(rl.reward_fn), rows, {r["id"]: r for r in rows}
+
+
 def _partial(response: str, answer: str) -> float:
   n = max(len(response), len(answer))
   if n == 0:

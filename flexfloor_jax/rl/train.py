@@ -174,12 +174,9 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False,
 def task_prompts(st: settings.Settings):
   """The run's prompt set (rl section), written to <train.output_dir>/prompts.jsonl for the
   rollouts, and its reward: (reward_fn, prompt rows, rows by id, path of the prompts file)."""
-  rl = st.rl
   os.makedirs(st.train.output_dir, exist_ok=True)
-  rows = tasks_lib.make_prompts(rl.tasks, rl.num_prompts, rl.prompt_seed, rl.task_size)
   path = os.path.join(st.train.output_dir, "prompts.jsonl")
-  tasks_lib.write_prompts_jsonl(rows, path)
-  return tasks_lib.load_reward_fn(rl.reward_fn), rows, {r["id"]: r for r in rows}, path
+  return (*tasks_lib.prompt_set(st.rl, path), path)
 
 
 def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress: bool,
