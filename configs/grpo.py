@@ -8,7 +8,7 @@ rollout's prompts are the built-in tasks (rl.tasks), written to <output_dir>/pro
 
 import ml_collections
 
-from flexfloor_jax.cli import load_config
+from flexfloor_jax.config.cli import load_config
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

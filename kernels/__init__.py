@@ -6,14 +6,14 @@ Pallas Triton for permute and combine; interpret mode on CPU via `interpret=True
 differentiable. `flexfloor_jax.model.config.resolve_moe_backend` maps `model.moe_backend` ('auto' |
 'xla' | 'pallas') and the platform to `impl` / `interpret`.
 
-`kernels.paged_attention` (imported by its module path, not re-exported here) is the decode
+`flexfloor_jax.kernels.paged_attention` (imported by its module path, not re-exported here) is the decode
 attention over a paged KV pool: an XLA reference and adapters to JAX's Pallas TPU / GPU kernels.
 """
 
-from kernels.combine import combine
-from kernels.dispatch_plan import DispatchPlan, make_plan, padded_rows
-from kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
-from kernels.permute import permute
+from flexfloor_jax.kernels.combine import combine
+from flexfloor_jax.kernels.dispatch_plan import DispatchPlan, make_plan, padded_rows
+from flexfloor_jax.kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
+from flexfloor_jax.kernels.permute import permute
 
 __all__ = [
     "DEFAULT_TILE_M",

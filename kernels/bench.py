@@ -1,7 +1,7 @@
 """CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows, then at decode shapes.
 
-  python -m kernels.bench [--tile_m 128 256] [--runs 30]
-  python -m kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 128   # GPU
+  python -m flexfloor_jax.kernels.bench [--tile_m 128 256] [--runs 30]
+  python -m flexfloor_jax.kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 128   # GPU
 
 The grouped matmul does the same flops as the dense matmul plus its tile padding, so the ratio shows
 the cost of fixed-shape tiles and the per-tile loop. Dense and grouped calls are timed interleaved
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.dispatch_plan import make_plan, padded_rows
-from kernels.gmm_xla import gmm_run_loop
-from kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
+from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
+from flexfloor_jax.kernels.gmm_xla import gmm_run_loop
+from flexfloor_jax.kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
 
 NUM_ROWS, K_DIM, N_DIM, NUM_GROUPS = 4096, 256, 512, 8
 # flexfloor_jax.engine.EngineSpec.decode_tile_m (kernels imports nothing of the engine)

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import triton_util
+from flexfloor_jax.kernels import triton_util
 
 
 def combine(

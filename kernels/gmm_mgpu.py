@@ -12,7 +12,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-
 # Block sizes: 128 rows keep a 128x128 fp32 accumulator in one warpgroup's registers; 64
 # K-columns of a 2-byte dtype are one 128-byte swizzle row.
 _MGPU_BLOCK_M = 128

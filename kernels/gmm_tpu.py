@@ -11,7 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.gmm_xla import dot_dims
+from flexfloor_jax.kernels.gmm_xla import dot_dims
 
 
 def _pick_block(dim: int, prefs=(512, 256, 128)) -> int:

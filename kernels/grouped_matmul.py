@@ -1,4 +1,4 @@
-"""Grouped (per-expert) matmul over the padded tile layout of `kernels.dispatch_plan`: the API, its
+"""Grouped (per-expert) matmul over the padded tile layout of `flexfloor_jax.kernels.dispatch_plan`: the API, its
 custom_vjp and the choice of kernel.
 
 Tile i (rows [i*tile_m, (i+1)*tile_m)) is multiplied by rhs[tile_group[i]] for i < num_tiles_used;
@@ -26,12 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.gmm_mgpu import gmm_mgpu, gmm_mgpu_swapped, mgpu_supported
-from kernels.gmm_tpu import gmm_tpu
-from kernels.gmm_xla import gmm_run_loop, gmm_xla, tgmm_xla
+from flexfloor_jax.kernels.gmm_mgpu import gmm_mgpu, gmm_mgpu_swapped, mgpu_supported
+from flexfloor_jax.kernels.gmm_tpu import gmm_tpu
+from flexfloor_jax.kernels.gmm_xla import gmm_run_loop, gmm_xla, tgmm_xla
 
 # 256 keeps the per-tile GEMM efficient on XLA:CPU (smaller tiles cost more per flop there)
-# while bounding padding waste to < 256 rows per group; see `python -m kernels.bench`.
+# while bounding padding waste to < 256 rows per group; see `python -m flexfloor_jax.kernels.bench`.
 DEFAULT_TILE_M = 256
 
 

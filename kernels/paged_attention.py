@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,7 @@ from flexfloor_jax.model import transformer as tfm
 
 def paged_attention(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                     page_table_BM: jax.Array, lengths_B: jax.Array, *,
-                    sliding_window: Optional[int] = None, impl: str = "xla",
+                    sliding_window: int | None = None, impl: str = "xla",
                     interpret: bool = False) -> jax.Array:
   """Paged GQA decode attention (layout in the module docstring); impl 'xla' | 'pallas'."""
   if impl == "xla":
@@ -72,7 +71,7 @@ def gather_pages(pages_KPSD: jax.Array, page_table_BM: jax.Array) -> jax.Array:
 
 def paged_attention_xla(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                         page_table_BM: jax.Array, lengths_B: jax.Array, *,
-                        sliding_window: Optional[int] = None) -> jax.Array:
+                        sliding_window: int | None = None) -> jax.Array:
   """Reference: gather the pages, then the fixed-slot decode's attention over them."""
   b, h, d = q_BHD.shape
   _check(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B)
@@ -123,7 +122,7 @@ def _largest_divisor(n: int, at_most: int) -> int:
 
 def paged_attention_tpu(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                         page_table_BM: jax.Array, lengths_B: jax.Array, *,
-                        sliding_window: Optional[int] = None,
+                        sliding_window: int | None = None,
                         interpret: bool = False) -> jax.Array:
   """The JAX Mosaic TPU paged-attention kernel on this layout. Blocks of up to 512 positions."""
   q, table, lengths = _kernel_inputs(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B,
@@ -140,7 +139,7 @@ def paged_attention_tpu(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD:
 
 def paged_attention_gpu(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                         page_table_BM: jax.Array, lengths_B: jax.Array, *,
-                        sliding_window: Optional[int] = None,
+                        sliding_window: int | None = None,
                         interpret: bool = False) -> jax.Array:
   """The JAX Pallas Triton paged-attention kernel on this layout: the pages split over up to 16
   programs per row (flash-decoding), up to 8 pages per compute block."""

@@ -8,8 +8,8 @@
 #      --hardware=measured:step_table.json), plus copy / matmul ceilings and kernel variants
 #   4. tests/test_kernels.py and tests/test_ep.py on the GPU (TF32 off): parity tests that need
 #      more devices than the machine has skip themselves (tests/engine_utils.py), listed as skipped
-#   5. python -m kernels.bench (f32 as in the README, then bf16 Mixtral-shaped, xla vs pallas)
-#   6. python -m flexfloor_jax.moe_bench on one GPU (it needs no more devices than --devices)
+#   5. python -m flexfloor_jax.kernels.bench (f32 as in the README, then bf16 Mixtral-shaped, xla vs pallas)
+#   6. python -m flexfloor_jax.bench.moe on one GPU (it needs no more devices than --devices)
 # Every step has its own time limit and runs even when an earlier one failed; the results go to
 # $OUT (default device_check_out/): log.txt (all output), env.txt, pytest.txt, bench.txt,
 # step_table.json, step_table.txt, summary.txt (one line per step).
@@ -101,22 +101,22 @@ else
     "${PYTEST[@]}" -v tests/test_kernels.py tests/test_ep.py
 fi
 
-# 5. kernels.bench: f32 at the README's shape, then bf16 at Mixtral's expert shape, xla vs pallas
+# 5. flexfloor_jax.kernels.bench: f32 at the README's shape, then bf16 at Mixtral's expert shape, xla vs pallas
 if [ $DRY = 1 ]; then
-  step kernels_bench 40 "$OUT/bench.txt" $PY -m kernels.bench --runs 3
-  step kernels_bench_bf16 40 "$OUT/bench.txt" $PY -m kernels.bench --runs 3 --dtype bfloat16 \
+  step kernels_bench 40 "$OUT/bench.txt" $PY -m flexfloor_jax.kernels.bench --runs 3
+  step kernels_bench_bf16 40 "$OUT/bench.txt" $PY -m flexfloor_jax.kernels.bench --runs 3 --dtype bfloat16 \
     --impl pallas --k 256 --n 512 --tile_m 128
 else
-  step kernels_bench 20 "$OUT/bench.txt" $PY -m kernels.bench --runs 20
-  step kernels_bench_bf16_xla 20 "$OUT/bench.txt" $PY -m kernels.bench --runs 10 \
+  step kernels_bench 20 "$OUT/bench.txt" $PY -m flexfloor_jax.kernels.bench --runs 20
+  step kernels_bench_bf16_xla 20 "$OUT/bench.txt" $PY -m flexfloor_jax.kernels.bench --runs 10 \
     --dtype bfloat16 --impl xla --k 4096 --n 14336 --tile_m 64 128
-  step kernels_bench_bf16_pallas 20 "$OUT/bench.txt" $PY -m kernels.bench --runs 10 \
+  step kernels_bench_bf16_pallas 20 "$OUT/bench.txt" $PY -m flexfloor_jax.kernels.bench --runs 10 \
     --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 64 128
 fi
 
 # 6. moe_bench on one device (the README's 4096 tokens, D=256 F=512; needs only --devices devices)
 L6=$(( $(left) - 3 ))
-step moe_bench $(( L6 < 30 ? L6 : 30 )) "$OUT/bench.txt" $PY -m flexfloor_jax.moe_bench \
+step moe_bench $(( L6 < 30 ? L6 : 30 )) "$OUT/bench.txt" $PY -m flexfloor_jax.bench.moe \
   --devices=1 --tokens_per_worker=$([ $DRY = 1 ] && echo 256 || echo 4096) --runs=10
 
 echo "=== done in $((SECONDS - START))s" | tee -a "$LOG"

@@ -86,7 +86,7 @@ def main():
       shutil.rmtree(work, ignore_errors=True)
   ratio = cold["tokens_per_device_step"] / bench["tokens_per_device_step"]
   checks = {
-      f"cold run releases workers": cold["releases"] > 0,
+      "cold run releases workers": cold["releases"] > 0,
       f"cold <= {COLD_S:.0f} s ({cold['wall_s']} s)": cold["wall_s"] <= COLD_S,
       f"warm <= {WARM_S:.0f} s ({warm['wall_s']} s)": warm["wall_s"] <= WARM_S,
       f"cold tokens/device-step within {TOKENS_TOL:.0%} of wait_compiles ({ratio:.3f})":

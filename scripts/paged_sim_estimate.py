@@ -34,12 +34,12 @@ def main(argv=None):
   ap.add_argument("--kv_margin", type=float, default=None)
   a = ap.parse_args(argv)
 
-  from flexfloor_jax import cli, memory, settings
-  from flexfloor_jax.policy import kv_pool, pages
-  from flexfloor_jax import rollout_inputs as inputs
+  from flexfloor_jax.config import cli, settings
+  from flexfloor_jax.model.tokenizer import load_tokenizer
+  from flexfloor_jax.policy import pages
   from flexfloor_jax.policy.history import LengthHistory
+  from flexfloor_jax.rollout import inputs, kv_pool
   from flexfloor_jax.sim import replay
-  from flexfloor_jax.tokenizer import load_tokenizer
 
   config = cli.load_config(a.config, "tiny")
   config.rollout.kv = "paged"
@@ -54,7 +54,7 @@ def main(argv=None):
   prompts = inputs.load_prompts(st, tok, model_cfg.bos_id)
   seq_len = inputs.resolve_max_seq_len(st, prompts, model_cfg)
   n = st.mesh.num_devices or st.mesh.cpu_devices
-  terms = memory.terms_for_config(st, model_cfg, seq_len)
+  terms = inputs.terms_for_config(st, model_cfg, seq_len)
   floor = terms.floor(model_cfg.num_experts, 16 * 2**30, n)  # the runner's CPU budget: 16 GB
   factory = kv_pool.pool_factory(r, n, seq_len)
   pool = factory({})

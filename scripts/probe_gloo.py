@@ -3,7 +3,7 @@
   python -m flexfloor_jax.launch --num_processes=2 --devices_per_process=4 -- \
       python scripts/probe_gloo.py
 """
-from flexfloor_jax import distributed
+from flexfloor_jax.runtime import distributed
 
 distributed.initialize()
 import traceback  # noqa: E402
@@ -12,7 +12,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils as mhu  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 pid = jax.process_index()
 devs = jax.devices()

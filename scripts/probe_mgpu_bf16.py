@@ -20,8 +20,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.dispatch_plan import make_plan, padded_rows  # noqa: E402
-from kernels.grouped_matmul import grouped_matmul  # noqa: E402
+from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows  # noqa: E402
+from flexfloor_jax.kernels.grouped_matmul import grouped_matmul  # noqa: E402
 
 _gmm = jax.jit(grouped_matmul, static_argnames=("tile_m", "impl", "preferred_element_type",
                                                 "transpose_rhs"))

@@ -1,8 +1,12 @@
 """Probe: a process with no device in the mesh calling the same compiled step (no-op?)."""
-from flexfloor_jax import distributed
+from flexfloor_jax.runtime import distributed
+
 distributed.initialize()
-import jax, numpy as np  # noqa: E401,E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax  # noqa: E401,E402
+import numpy as np
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+
 pid = jax.process_index()
 devs = jax.devices()
 sub = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Auto,), devices=devs[4:])

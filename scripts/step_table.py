@@ -19,7 +19,7 @@ is timed per batch with the same loop and no layers. Timing: compile ahead of ti
 `--repeats` timed runs of enough dispatches to last >= --min_run_s each, jax.block_until_ready at the
 end of each; the table records the median and every repeat. Rows are written after every batch
 block, so a run cut short still leaves a full grid over the batches it finished (`--budget_s` stops
-it cleanly before that). Schema: flexfloor_jax/policy/measured_hw.py.
+it cleanly before that). Schema: flexfloor_jax/sim/measured_hw.py.
 """
 
 from __future__ import annotations
@@ -67,19 +67,20 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   if args.dry_run:
-    from flexfloor_jax.cli import emulate_cpu_devices
+    from flexfloor_jax.runtime.backend import emulate_cpu_devices
     emulate_cpu_devices(1)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax import mesh as mesh_lib
   from flexfloor_jax.model import transformer as tfm
   from flexfloor_jax.model.config import PRESETS
   from flexfloor_jax.model.moe import EPConfig, ep_moe
+  from flexfloor_jax.runtime import mesh as mesh_lib
 
   t_start = time.perf_counter()
   if args.dry_run:
@@ -220,7 +221,7 @@ def main(argv=None):
 
   meta = dict(format="flexfloor_jax.step_table", version=1, device=dev.device_kind,
               platform=dev.platform, jax_version=jax.__version__,
-              created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               dtype=cfg.dtype, dry_run=bool(args.dry_run),
               model=dict(hidden=cfg.hidden_size, ffn=cfg.intermediate_size, heads=cfg.num_heads,
                          kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, experts=E,
@@ -364,7 +365,7 @@ def main(argv=None):
 
   write()
   # the table must load as a simulator preset
-  from flexfloor_jax.policy import measured_hw
+  from flexfloor_jax.sim import measured_hw
   tab = measured_hw.load(args.out)
   log(f"wrote {args.out}: {len(meta['rows'])} rows; {measured_hw.describe(tab)}")
   pool.shutdown(wait=False, cancel_futures=True)

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax.cli import load_config
+from flexfloor_jax.config.cli import load_config
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.moe import EPConfig, ep_moe
-from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 EP = mesh_lib.EP_AXIS
 # The tiny preset with 2 layers (fp32): compiles in seconds on 2 cores.
@@ -193,7 +193,8 @@ def rollout_spec(cfg, **changes) -> engine_lib.EngineSpec:
   the persistent compilation cache) instead of compiling its own."""
   import dataclasses
 
-  from flexfloor_jax import runner, settings
+  from flexfloor_jax.config import settings
+  from flexfloor_jax.rollout import runner
   st = settings.load(rollout_config())
   prep = runner.prepare(st, devices=jax.devices()[:8], model_cfg=cfg)
   return dataclasses.replace(runner.engine_spec(st, prep), **changes)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 import numpy as np
 
@@ -60,7 +59,7 @@ def build_model(config, seed: int):
   return model
 
 
-def save(model, path: str, *, fused: bool = False, max_shard_size: Optional[str] = None) -> str:
+def save(model, path: str, *, fused: bool = False, max_shard_size: str | None = None) -> str:
   """save_pretrained. fused=False: hub layout (block_sparse_moe.experts.N.w1/w2/w3, the 5.x
   default, converted back on save); fused=True: the in-memory layout (mlp.experts.gate_up_proj /
   down_proj). max_shard_size splits into several files with model.safetensors.index.json."""

@@ -2,7 +2,7 @@
 
 import os
 
-from flexfloor_jax.cli import load_config
+from flexfloor_jax.config.cli import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

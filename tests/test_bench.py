@@ -10,10 +10,9 @@ import sys
 
 import numpy as np
 import pytest
+import xla_env
 
 from flexfloor_jax.bench import report, runs
-
-import xla_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finish_fraction",
@@ -160,7 +159,8 @@ def test_sequences_from_a_checkpoint(tmp_path):
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
   import hf_utils
-  from flexfloor_jax import runner
+
+  from flexfloor_jax.rollout import runner
   hf = hf_utils.make_checkpoint(str(tmp_path / "ckpt"))
   c = small_config(tmp_path)
   c.model.checkpoint = str(tmp_path / "ckpt")

@@ -12,16 +12,15 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_utils  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from flexfloor_jax import mesh as mesh_lib  # noqa: E402
 from flexfloor_jax.model import checkpoint as ck  # noqa: E402
 from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
+from flexfloor_jax.model import tokenizer as tok_lib  # noqa: E402
 from flexfloor_jax.model import transformer as tr  # noqa: E402
 from flexfloor_jax.model.config import BYTE_VOCAB, PRESETS, ModelConfig  # noqa: E402
-from flexfloor_jax import tokenizer as tok_lib  # noqa: E402
+from flexfloor_jax.runtime import mesh as mesh_lib  # noqa: E402
 
 # Small enough to copy and rewrite in milliseconds; 2 layers so "layer 1" keys exist.
 SMALL = dict(hf_utils.CASES["gqa"], num_hidden_layers=2, num_local_experts=4, vocab_size=100)

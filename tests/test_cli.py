@@ -162,19 +162,19 @@ def _bad_cases(tmp, ckpt):
       "prompts_missing": ([f"--config.rollout.prompts={p('nope.jsonl')}"],
                           ["rollout.prompts", p("nope.jsonl")]),
       "prompts_bad_json": (
-          [f"--config.rollout.prompts=" + _write_jsonl(
+          ["--config.rollout.prompts=" + _write_jsonl(
               p("badjson.jsonl"), [{"id": "a", "tokens": [1, 2]}, '{"id": "b", "tokens": [1,'])],
           ["rollout.prompts", p("badjson.jsonl") + ":2"]),
       "prompts_missing_id": (
-          [f"--config.rollout.prompts=" + _write_jsonl(p("noid.jsonl"), [{"prompt": "hi"}])],
+          ["--config.rollout.prompts=" + _write_jsonl(p("noid.jsonl"), [{"prompt": "hi"}])],
           ["rollout.prompts", p("noid.jsonl") + ":1", "id"]),
       "prompt_longer_than_max_prompt_len": (
-          [f"--config.rollout.prompts=" + _write_jsonl(
+          ["--config.rollout.prompts=" + _write_jsonl(
               p("long.jsonl"), [{"id": "long", "tokens": [65] * 60}]),
            "--config.rollout.max_prompt_len=48"],
           ["rollout.prompts", "'long'", "rollout.max_prompt_len"]),
       "prompt_longer_than_max_seq_len": (
-          [f"--config.rollout.prompts=" + _write_jsonl(
+          ["--config.rollout.prompts=" + _write_jsonl(
               p("long2.jsonl"), [{"id": "long2", "tokens": [65] * 40}]),
            "--config.model.max_seq_len=48", "--config.rollout.max_new_tokens=16"],
           ["rollout.prompts", "'long2'", "model.max_seq_len"]),
@@ -182,16 +182,16 @@ def _bad_cases(tmp, ckpt):
                                ["rollout.lengths", p("nolengths.jsonl")]),
       "lengths_bad_json": (
           [f"--config.rollout.prompts={good_prompts}",
-           f"--config.rollout.lengths=" + _write_jsonl(p("lens_bad.jsonl"), ["not json"])],
+           "--config.rollout.lengths=" + _write_jsonl(p("lens_bad.jsonl"), ["not json"])],
           ["rollout.lengths", p("lens_bad.jsonl") + ":1"]),
       "lengths_no_entry": (
           [f"--config.rollout.prompts={good_prompts}",
-           f"--config.rollout.lengths=" + _write_jsonl(
+           "--config.rollout.lengths=" + _write_jsonl(
                p("lens_part.jsonl"), [{"id": "a", "sample": s, "length": 4} for s in range(2)])],
           ["rollout.lengths", p("lens_part.jsonl"), "'b'"]),
       "lengths_too_long": (
           [f"--config.rollout.prompts={good_prompts}",
-           f"--config.rollout.lengths=" + _write_jsonl(
+           "--config.rollout.lengths=" + _write_jsonl(
                p("lens_long.jsonl"), [{"id": i, "sample": s, "length": 17}
                                       for i in "ab" for s in range(2)])],
           ["rollout.lengths", p("lens_long.jsonl"), "rollout.max_new_tokens"]),

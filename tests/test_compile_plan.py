@@ -5,10 +5,9 @@ import copy
 
 import pytest
 
-from flexfloor_jax.policy import compile_plan, controller, plan, stepsim
+from flexfloor_jax.policy import compile_plan, controller, plan, ready_floor, stepsim, workload
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.history import LengthHistory
-from flexfloor_jax.policy import ready_floor, workload
-from flexfloor_jax.policy.placement import ExpertPlacement
 
 N, B, E = 8, 4, 8
 SPEC = workload.WorkloadSpec(num_prompts=8, samples_per_prompt=8, seed=0, cap=256)

@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 import xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +46,7 @@ def _rollout(out, schedule, processes, options=SMALL, timeout=400):
           f"--config.schedule={schedule}", f"--config.rollout.output_dir={out}"]
   if processes == 1:
     return _run(args + ["--config.mesh.cpu_devices=8"], timeout=timeout)
-  launch = [sys.executable, "-m", "flexfloor_jax.launch", f"--num_processes={processes}",
+  launch = [sys.executable, "-m", "flexfloor_jax.runtime.launch", f"--num_processes={processes}",
             "--devices_per_process=4", f"--timeout={timeout}", "--"]
   return _run(launch + args, timeout=timeout + 50)
 
@@ -80,7 +79,7 @@ def test_launch_fails_when_a_child_fails(tmp_path):
           "print('hello', i, os.environ['FLEXFLOOR_NUM_PROCESSES']); "
           "sys.exit(3) if i == 1 else time.sleep(60)")
   t0 = time.perf_counter()
-  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.launch", "--num_processes=2",
+  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.runtime.launch", "--num_processes=2",
                          "--timeout=50", "--", sys.executable, "-c", code], cwd=REPO, env=_env(),
                         capture_output=True, text=True, timeout=60)
   assert proc.returncode == 3, (proc.stdout, proc.stderr)
@@ -89,7 +88,7 @@ def test_launch_fails_when_a_child_fails(tmp_path):
 
 
 def test_launch_timeout(tmp_path):
-  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.launch", "--num_processes=2",
+  proc = subprocess.run([sys.executable, "-m", "flexfloor_jax.runtime.launch", "--num_processes=2",
                          "--timeout=2", "--", sys.executable, "-c", "import time; time.sleep(60)"],
                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
   assert proc.returncode == 124 and "timeout" in proc.stderr

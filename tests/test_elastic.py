@@ -4,20 +4,18 @@ import gc
 import json
 import logging
 
+import engine_utils
 import jax
 import numpy as np
 import pytest
 
-import engine_utils
-from flexfloor_jax import elastic
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import memory
-from flexfloor_jax import rollout_inputs
-from flexfloor_jax import runner
+from flexfloor_jax.engine import elastic, memory
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.history import LengthHistory
-from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.rollout import inputs, runner
 
 MODEL = PRESETS["tiny"].replace(num_layers=2)
 
@@ -227,7 +225,7 @@ def test_no_compile_during_rollout(params, tmp_path):
 def test_floor_is_respected(params, tmp_path, step_caches):
   c = get_config()
   c.rollout.lengths = engine_utils.long_tailed_lengths(c, tmp_path / "lengths.jsonl")
-  t = memory.terms_for_config(c, MODEL)
+  t = inputs.terms_for_config(c, MODEL)
   # Room for 2 experts per worker (plus slack below one more expert): the floor is 4 workers.
   budget = t.per_device(2) + t.expert // 2
   c.mesh.device_memory_gb = budget / 2**30
@@ -312,7 +310,7 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
   (the CLI's thresholds keep them all) and compiles nothing."""
   import os
 
-  from flexfloor_jax.cli import enable_compilation_cache
+  from flexfloor_jax.runtime.backend import enable_compilation_cache
   enable_compilation_cache(jax.config.jax_compilation_cache_dir or os.environ.get(
       "FLEXFLOOR_JAX_CACHE"))
   c = get_config()
@@ -368,7 +366,7 @@ def test_max_seq_len_defaults_to_what_the_run_needs(params, tmp_path):
                           for i in range(2)))
   c.rollout.lengths = str(path)
   res = run(c, params, tmp_path, "long")
-  longest = max(len(rollout_inputs.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
+  longest = max(len(inputs.BUILTIN_PROMPTS[i]) for i in range(2)) + 1  # bytes + BOS
   assert res.summary["max_seq_len"] == longest + 512
   assert all(r["num_tokens"] == 3 for r in res.responses)
 
@@ -377,7 +375,7 @@ def test_route_rows_moves_blocks_within_the_mesh():
   """The multi-controller transfer (a ppermute over the mesh the rows were extracted on): each
   moved block lands on its destination device unchanged, also with a leading layer axis, and one
   executable serves a repeat of the same moves."""
-  from flexfloor_jax import mesh as mesh_lib
+  from flexfloor_jax.runtime import mesh as mesh_lib
   devs = jax.devices()[:6]
   mesh = mesh_lib.make_ep_mesh(devs)
   k = np.arange(2 * 6 * 3, dtype=np.float32).reshape(2, 6, 3)  # [L, rows, ...]: row axis 1

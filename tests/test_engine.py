@@ -10,16 +10,16 @@ compiled.
 
 from __future__ import annotations
 
+import engine_utils
 import jax
 import numpy as np
 import pytest
-
-import engine_utils
 from engine_utils import TINY, CompileCounter, make_params
+
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax.policy import controller, planner, scheduler
-from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.sampling import prompt_hash
+from flexfloor_jax.engine.sampling import prompt_hash
+from flexfloor_jax.policy import controller, release_policy, scheduler
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 
 # rollout_config's engine: 2 decode slots per worker, 8 expert slots (floor 1), 32 new tokens,
 # temperature 1.0, top_p 0.9
@@ -99,7 +99,7 @@ def rollout(params, step_cache, n, seqs, inputs, queues, steps_per_dispatch=4):
   eng, active = make_engine(params, step_cache, n, inputs)
   assert sorted(queues) == active
   rec = Recorder(eng)
-  policy = planner.ReleasePolicy(enabled=False, floor=n)
+  policy = release_policy.ReleasePolicy(enabled=False, floor=n)
   record = controller.run(seqs, queues, rec, policy, steps_per_dispatch=steps_per_dispatch,
                           slots_per_worker=SLOTS)
   return eng, rec, record
@@ -180,7 +180,7 @@ def test_continuous_batching_and_no_compile_after_warm_up(params, step_cache):
   # Warm-up: build the engine (compiles or loads its step set; also warm its first calls).
   eng, _ = make_engine(params, step_cache, n, inputs)
   rec = Recorder(eng)
-  policy = planner.ReleasePolicy(enabled=False, floor=n)
+  policy = release_policy.ReleasePolicy(enabled=False, floor=n)
   with CompileCounter() as cc:
     record = controller.run(seqs, queues, rec, policy, steps_per_dispatch=4,
                             slots_per_worker=SLOTS)

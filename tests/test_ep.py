@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from engine_utils import EP, TINY, EPSetup, make_params
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.moe import ep_moe
 
@@ -129,7 +130,7 @@ PLACEMENTS = [(1, 0, 0, 1), (1, 0, 2, 2), (2, 1, 1, 3), (3, 2, 0, 4), (4, 3, 2, 
               (8, 7, 1, 6), (8, 0, 0, 7)]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _step_fns(st):
   return st.step_fns()
 
@@ -192,7 +193,7 @@ def test_decode_logits_bitwise_across_mesh_slot_and_company(setups):
     assert np.array_equal(got, base), f"{key} vs {base_key}: max|diff| {diff:.3g}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_fn(st):
   """ep_moe on one layer (layer-0 params passed in) -> (y, routed experts, per-worker counts)."""
 
@@ -390,7 +391,7 @@ def test_ragged_all_to_all_reference_matches_numpy_model(per):
   random slice sizes (zeros included), slices laid out in random order with gaps on the sending
   side, written in random order with gaps on the receiving side, 1 or 2 slices per destination:
   equals the numpy model row for row, and rows nobody writes keep `output`'s values."""
-  from kernels.ragged_exchange import ragged_all_to_all
+  from flexfloor_jax.kernels.ragged_exchange import ragged_all_to_all
   n, rows_in, rows_out, d = 4, 24, 40, 3
   k = n * per
   rng = np.random.default_rng(50 + per)
@@ -480,8 +481,8 @@ def test_exchange_setting_reaches_the_layer():
   not exist), an explicit value reaches EngineSpec's EPConfig, and a bad value fails the config
   check and EPConfig alike."""
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.cli import load_config
-  from flexfloor_jax.settings import ConfigError, load
+  from flexfloor_jax.config.cli import load_config
+  from flexfloor_jax.config.settings import ConfigError, load
   spec = engine_lib.EngineSpec(cfg=TINY, slots_per_worker=2, expert_slots=4, max_seq_len=16,
                                max_prompt_len=8, max_new_tokens=8, sampling=None)
   auto = "all_to_all" if jax.default_backend() == "cpu" else "ragged"

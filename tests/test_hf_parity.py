@@ -8,9 +8,8 @@ fused layout, sharded).
 
 from __future__ import annotations
 
-import functools
-import sys
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -24,7 +23,6 @@ pytest.importorskip("transformers")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from flexfloor_jax.model import checkpoint as ck  # noqa: E402
 from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
 from flexfloor_jax.model import transformer as tr  # noqa: E402
 

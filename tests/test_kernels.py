@@ -14,19 +14,20 @@ import pytest
 # Submodule imports: they work even where `kernels` was installed (editable) before it had an
 # __init__.py and resolves as a namespace package.
 from kernel_utils import combine_numpy
-from kernels.combine import combine
-from kernels.dispatch_plan import make_plan, padded_rows
-from kernels.grouped_matmul import grouped_matmul
-from kernels.permute import permute
+
+from flexfloor_jax.kernels.combine import combine
+from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
+from flexfloor_jax.kernels.grouped_matmul import grouped_matmul
+from flexfloor_jax.kernels.permute import permute
 
 S = jax.ShapeDtypeStruct
 # the modules (the package's `grouped_matmul` etc. attributes are the functions)
-gmm_lib = importlib.import_module("kernels.grouped_matmul")
-gmm_tpu = importlib.import_module("kernels.gmm_tpu")
-gmm_xla = importlib.import_module("kernels.gmm_xla")
-permute_lib = importlib.import_module("kernels.permute")
-combine_lib = importlib.import_module("kernels.combine")
-triton_util = importlib.import_module("kernels.triton_util")
+gmm_lib = importlib.import_module("flexfloor_jax.kernels.grouped_matmul")
+gmm_tpu = importlib.import_module("flexfloor_jax.kernels.gmm_tpu")
+gmm_xla = importlib.import_module("flexfloor_jax.kernels.gmm_xla")
+permute_lib = importlib.import_module("flexfloor_jax.kernels.permute")
+combine_lib = importlib.import_module("flexfloor_jax.kernels.combine")
+triton_util = importlib.import_module("flexfloor_jax.kernels.triton_util")
 
 
 def _key(seed):

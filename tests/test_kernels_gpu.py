@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kernel_utils import combine_numpy, paged_attention_inputs
-from kernels.combine import combine, combine_xla
-from kernels.dispatch_plan import make_plan, padded_rows
-from kernels.grouped_matmul import grouped_matmul
-from kernels.paged_attention import paged_attention, paged_attention_xla
-from kernels.permute import permute, permute_xla
+
+from flexfloor_jax.kernels.combine import combine
+from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
+from flexfloor_jax.kernels.grouped_matmul import grouped_matmul
+from flexfloor_jax.kernels.paged_attention import paged_attention, paged_attention_xla
+from flexfloor_jax.kernels.permute import permute, permute_xla
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu",
                                 reason="needs a GPU (compiled Mosaic GPU kernel)")
@@ -141,10 +141,11 @@ def test_mosaic_gpu_gmm_batch_invariance_bitwise(tile_m):
 def test_ep_moe_pallas_backend_equals_xla_on_one_gpu():
   """The EP MoE layer (one worker, 8 expert slots) with backend='pallas' (Mosaic GPU grouped
   matmuls) against backend='xla', bf16, tile_m=64."""
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
 
-  from flexfloor_jax import mesh as mesh_lib
   from flexfloor_jax.model.moe import EPConfig, ep_moe
+  from flexfloor_jax.runtime import mesh as mesh_lib
 
   d, f, e, k, t = 256, 512, 8, 2, 96
   keys = jax.random.split(jax.random.key(11), 5)

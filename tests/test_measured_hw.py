@@ -15,8 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import measured_hw
-from flexfloor_jax.sim import costs, presets
+from flexfloor_jax.sim import costs, measured_hw, presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXTRAL = dict(hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, experts=8, top_k=2,

@@ -10,11 +10,11 @@ import jax
 import pytest
 
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import settings
-from flexfloor_jax.cli import load_config
+from flexfloor_jax.config import settings
+from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.engine.sampling import SamplingParams
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS, resolve_moe_backend
 from flexfloor_jax.rl import actor as actor_lib
-from flexfloor_jax.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("name,platform,expected", [
@@ -60,7 +60,7 @@ def test_check_runs_before_jax_starts():
   """The CLIs check every field before jax is imported: the check must not import it."""
   code = ("import sys\n"
           "from flexfloor_jax import settings\n"
-          "from flexfloor_jax.cli import load_config\n"
+          "from flexfloor_jax.config.cli import load_config\n"
           "c = load_config('mixtral', 'tiny')\n"
           "c.model.moe_backend = 'bogus'\n"
           "try:\n"

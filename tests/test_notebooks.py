@@ -5,7 +5,6 @@ import re
 import sys
 
 import pytest
-
 import xla_env
 
 nbformat = pytest.importorskip("nbformat")

@@ -31,11 +31,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 import engine_utils  # noqa: E402
 from rl_utils import ROOT, grpo_config  # noqa: E402
 
-from flexfloor_jax import rollout_outputs, runner  # noqa: E402
-from flexfloor_jax.cli import prepare_rollout  # noqa: E402
-from flexfloor_jax.policy import outputs  # noqa: E402
-from flexfloor_jax.policy.atomic import atomic_write  # noqa: E402
+from flexfloor_jax.io import output_dir  # noqa: E402
+from flexfloor_jax.io.atomic import atomic_write  # noqa: E402
 from flexfloor_jax.policy.history import LengthHistory  # noqa: E402
+from flexfloor_jax.rollout import outputs as rollout_outputs  # noqa: E402
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.rollout.inputs import prepare_rollout  # noqa: E402
 
 
 def _config(out):
@@ -120,8 +121,8 @@ def test_unusable_output_dir_fails_before_compiling(tmp_path, model, no_compile,
 
 # ----------------------------------------------------------------------------- 2. lock
 
-_HOLD = ("import os, sys; from flexfloor_jax.policy import outputs; "
-         "lock = outputs.acquire(sys.argv[1]); print('locked', flush=True); sys.stdin.read()")
+_HOLD = ("import os, sys; from flexfloor_jax.io import output_dir; "
+         "lock = output_dir.acquire(sys.argv[1]); print('locked', flush=True); sys.stdin.read()")
 
 
 def test_second_run_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, model, no_compile,
@@ -145,29 +146,29 @@ def test_second_run_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, mo
     os.kill(holder.pid, signal.SIGKILL)  # a run killed while holding the lock
     holder.wait()
   with caplog.at_level(logging.WARNING):
-    lock = outputs.acquire(str(out))
+    lock = output_dir.acquire(str(out))
   assert f"pid {holder.pid}" in caplog.text and str(out) in caplog.text
-  with pytest.raises(outputs.OutputDirError, match=f"pid {os.getpid()}"):
-    outputs.acquire(str(out))  # held: even a second acquire in this process is refused
+  with pytest.raises(output_dir.OutputDirError, match=f"pid {os.getpid()}"):
+    output_dir.acquire(str(out))  # held: even a second acquire in this process is refused
   lock.release()
   assert os.listdir(out) == []  # released: no lock file left
-  with outputs.acquire(str(out)):  # and free again, without a warning
+  with output_dir.acquire(str(out)):  # and free again, without a warning
     pass
   # without the flock (a filesystem that has none), the pid decides: dead is stale, and this
   # process's own pid, alive, is busy
-  (out / outputs.LOCK_NAME).write_text(f"{holder.pid} {socket.gethostname()}\n")
-  outputs.acquire(str(out)).release()
-  monkeypatch.setattr(outputs, "_flock", lambda fd: True)
-  (out / outputs.LOCK_NAME).write_text(f"{os.getppid()} {socket.gethostname()}\n")
-  with pytest.raises(outputs.OutputDirError, match=f"pid {os.getppid()}"):
-    outputs.acquire(str(out))
+  (out / output_dir.LOCK_NAME).write_text(f"{holder.pid} {socket.gethostname()}\n")
+  output_dir.acquire(str(out)).release()
+  monkeypatch.setattr(output_dir, "_flock", lambda fd: True)
+  (out / output_dir.LOCK_NAME).write_text(f"{os.getppid()} {socket.gethostname()}\n")
+  with pytest.raises(output_dir.OutputDirError, match=f"pid {os.getppid()}"):
+    output_dir.acquire(str(out))
 
 
 # ----------------------------------------------------------------------------- 3. publish
 
 
 def _publish(out, files: dict, owns=()) -> str:
-  s = outputs.OutputSet(str(out), owns=owns)
+  s = output_dir.OutputSet(str(out), owns=owns)
   for name, text in files.items():
     s.write(name, text)
   return s.publish()
@@ -267,7 +268,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
     assert _tags(out, names) == {n: "RUN-C" for n in sets["RUN-C"]}
     left = sorted(os.listdir(out))
     assert [x for x in left if x.startswith(".link-")] == [], left
-    assert len(os.listdir(out / outputs.PUBLISHED)) <= 2  # this set and the one before
+    assert len(os.listdir(out / output_dir.PUBLISHED)) <= 2  # this set and the one before
     if done:
       break
     k += 1
@@ -279,7 +280,7 @@ def test_output_files_get_the_umask_mode(tmp_path):
   old = os.umask(0o027)
   try:
     atomic_write(str(tmp_path / "single.json"), "{}")
-    s = outputs.OutputSet(str(tmp_path / "out"))
+    s = output_dir.OutputSet(str(tmp_path / "out"))
     s.write("responses.jsonl", "{}\n")
     with s.writing("history.json") as p:
       LengthHistory({"p": {0: [3]}}).save(p)  # an atomic write inside the set
@@ -311,7 +312,7 @@ def test_disk_error_names_the_file_and_keeps_the_responses(tmp_path, monkeypatch
   monkeypatch.setattr("builtins.open", full_disk)
   monkeypatch.setattr(accounting, "plot_timeline",
                       lambda tl, path, title=None: full_disk(path, "wb").close())
-  with pytest.raises(outputs.OutputWriteError) as e:
+  with pytest.raises(output_dir.OutputWriteError) as e:
     rollout_outputs.publish_outputs(str(out), responses, {"x": 1.0}, None, "t",
                            LengthHistory({"p": {0: [2]}}), str(out / "history.json"))
   monkeypatch.undo()
@@ -353,7 +354,7 @@ def test_rollout_publishes_one_set_and_refuses_nonfinite_logprobs(tmp_path, mode
   finally:
     os.umask(old)
   assert "cfg-another-model" in caplog.text
-  latest = os.path.realpath(out / outputs.LATEST)
+  latest = os.path.realpath(out / output_dir.LATEST)
   for name in ("responses.jsonl", "summary.json", "timeline.png", "history.json"):
     assert os.path.realpath(out / name) == os.path.join(latest, name)
     assert os.stat(out / name).st_mode & 0o777 == 0o644, name
@@ -373,11 +374,11 @@ def test_rollout_publishes_one_set_and_refuses_nonfinite_logprobs(tmp_path, mode
 
   bad = jax.tree.map(lambda x: x, params)
   bad["layers"]["w1"] = bad["layers"]["w1"].at[0].set(jnp.nan)
-  before = os.readlink(out / outputs.LATEST)
+  before = os.readlink(out / output_dir.LATEST)
   with pytest.raises(runner.RolloutError) as e:
     runner.run(c, params=bad, model_cfg=cfg, progress=False)
   assert "log-prob of prompt 'builtin-" in str(e.value) and "sample" in str(e.value), e.value
-  assert os.readlink(out / outputs.LATEST) == before  # nothing published
+  assert os.readlink(out / output_dir.LATEST) == before  # nothing published
 
 
 def test_logprob_check_names_the_first_response():

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from engine_utils import TINY, make_params
 from kernel_utils import paged_attention_inputs
+
+from flexfloor_jax.kernels import paged_attention as pa
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
-from kernels import paged_attention as pa
 
 S = jax.ShapeDtypeStruct
 PAGE, M = 4, 5  # 5 pages of 4: the paged view is as long as a fixed cache of 20
@@ -44,7 +44,7 @@ def _tables(rng, rows):
   return rng.permutation(NUM_PAGES)[: rows * M].reshape(rows, M).astype(np.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _steps(cfg):
   prefill = jax.jit(lambda p, t, n: tfm.prefill(p, cfg, t, n)[:3])
   decode = jax.jit(lambda p, c, t, pos, live: tfm.decode(p, cfg, c, t, pos, live)[:2])

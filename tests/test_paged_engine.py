@@ -2,21 +2,21 @@
 the same responses whatever the schedule (releases and migrations move pages), preemption by
 recompute that changes no token, and every page back in the pool after a run."""
 
+import engine_utils
 import jax
 import numpy as np
 import pytest
 
-import engine_utils
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax import memory, runner, settings
-from flexfloor_jax.policy import kv_pool
+from flexfloor_jax.config import settings
 from flexfloor_jax.engine import state as state_lib
+from flexfloor_jax.engine.sampling import SamplingParams
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.pages import PagePool
-from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.sampling import SamplingParams
+from flexfloor_jax.rollout import inputs, kv_pool, runner
 
 MODEL = PRESETS["tiny"].replace(num_layers=2)  # tests/test_elastic.py's model: shared compiles
 
@@ -69,9 +69,9 @@ def test_pool_size_from_the_config():
   pool = kv_pool.make_pool(r, 8, 96)
   assert (pool.num_pages, pool.max_pages_per_seq, pool.max_seqs) == (12, 6, 4)
   # the floor counts the pool: the fixed-slot KV bytes, beside the state of 4 rows, not 2
-  paged = memory.terms_for_config(settings.load(c), MODEL, 96)
+  paged = inputs.terms_for_config(settings.load(c), MODEL, 96)
   c.rollout.kv = "slots"
-  slots = memory.terms_for_config(settings.load(c), MODEL, 96)
+  slots = inputs.terms_for_config(settings.load(c), MODEL, 96)
   c.rollout.kv = "paged"
   state = lambda rows: engine_lib.state_bytes_per_worker(MODEL, rows, 96, 32)
   assert paged.kv - state(4) == slots.kv - state(2) > 0
@@ -266,7 +266,7 @@ def page_path(request, monkeypatch):
   """How a migration moves pages: single-device movers (one process), or the mesh's SPMD steps
   that several processes use (elastic._migrate_paged_spmd; run here on one process)."""
   if request.param == "spmd":
-    from flexfloor_jax import elastic
+    from flexfloor_jax.engine import elastic
     monkeypatch.setattr(elastic, "migrate_paged", lambda steps, devices, state, moves, pm:
                         elastic._migrate_paged_spmd(steps.get(2), [0, 1], state, moves, pm))
   return request.param

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import planner, scheduler, stepsim
+from flexfloor_jax.policy import release_policy, scheduler, stepsim
 from flexfloor_jax.policy.controller import ControllerError, Finish, Seq, run, worker_stops
 
 
@@ -51,11 +51,11 @@ def test_conservation(policy_kind, seed):
   lengths[::9] = 1
   seqs = mkseqs(lengths)
   if policy_kind == 'static':
-    queues, pol = scheduler.static_placement(seqs, list(range(N))), planner.ReleasePolicy(False)
+    queues, pol = scheduler.static_placement(seqs, list(range(N))), release_policy.ReleasePolicy(False)
   else:
     pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
     queues = scheduler.flexfloor_placement(seqs, list(pred.values()), list(range(N)), B)
-    pol = planner.ReleasePolicy(floor=1, predicted=pred, compaction=policy_kind == 'compaction')
+    pol = release_policy.ReleasePolicy(floor=1, predicted=pred, compaction=policy_kind == 'compaction')
   ex = Recording(seqs, N, B)
   rec = run(seqs, queues, ex, pol, steps_per_dispatch=5, clock=lambda: float(ex.steps))
   assert sorted(rec.finishes) == [s.seq_id for s in seqs]
@@ -82,13 +82,13 @@ def test_conservation(policy_kind, seed):
 def test_device_steps_by_hand():
   # 1 worker, 1 slot, lengths 3 and 2: prefill(s0) d d | prefill(s1) d -> 5 steps, 5 device-steps
   seqs = mkseqs([3, 2])
-  m = stepsim.simulate(seqs, None, {0: [0, 1]}, planner.ReleasePolicy(False), 1, 1, 8)
+  m = stepsim.simulate(seqs, None, {0: [0, 1]}, release_policy.ReleasePolicy(False), 1, 1, 8)
   assert (m['device_steps'], m['prefill_steps'], m['decode_steps']) == (5, 2, 3)
   # 2 workers x 1 slot, one seq each (lengths 4 and 1): the second finishes at prefill;
   # static keeps both workers for all 4 steps; with release the idle one goes at step count 1
   seqs = mkseqs([4, 1])
-  st = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, planner.ReleasePolicy(False), 2, 1, 8)
-  rel = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, planner.ReleasePolicy(chain=[1, 0]), 2, 1, 8)
+  st = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, release_policy.ReleasePolicy(False), 2, 1, 8)
+  rel = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, release_policy.ReleasePolicy(chain=[1, 0]), 2, 1, 8)
   assert st['device_steps'] == 8 and rel['device_steps'] == 2 + 3
   assert st['idle_after_finish_fraction'] == pytest.approx(3 / 8)
 
@@ -98,7 +98,7 @@ def test_continuous_batching():
   # `long` (the first batch) is done
   seqs = mkseqs([40, 3, 5, 5])
   ex = Recording(seqs, 1, 2)
-  rec = run(seqs, {0: [0, 1, 2, 3]}, ex, planner.ReleasePolicy(False), steps_per_dispatch=16)
+  rec = run(seqs, {0: [0, 1, 2, 3]}, ex, release_policy.ReleasePolicy(False), steps_per_dispatch=16)
   done_long = next(f['step'] for f in rec.timeline.finishes if f['seq_id'] == 0)
   assert ex.prefill_step[2] < done_long and ex.prefill_step[3] < done_long
   # refill right after the finish: short is prefilled at step 1, finishes in step 3 (3 tokens)
@@ -108,7 +108,7 @@ def test_continuous_batching():
 def test_dispatch_stops_for_refill_only_where_queued():
   seqs = mkseqs([30, 2, 30, 30])
   ex = Recording(seqs, 2, 2)
-  rec = run(seqs, {0: [0, 1], 1: [2, 3]}, ex, planner.ReleasePolicy(False), steps_per_dispatch=64)
+  rec = run(seqs, {0: [0, 1], 1: [2, 3]}, ex, release_policy.ReleasePolicy(False), steps_per_dispatch=64)
   decodes = [r['num_steps'] for r in rec.timeline.steps if r['kind'] == 'decode']
   assert decodes == [29]  # nothing queued: one dispatch to the end (64 would overrun)
 
@@ -122,22 +122,22 @@ class Liar(stepsim.SimExecutor):
 def test_misbehaving_executor_fails_loudly():
   seqs = mkseqs([5, 7])
   with pytest.raises(ControllerError, match='finish of seq'):
-    run(seqs, {0: [0, 1]}, Liar(seqs, 1, 2), planner.ReleasePolicy(False))
+    run(seqs, {0: [0, 1]}, Liar(seqs, 1, 2), release_policy.ReleasePolicy(False))
 
 
 def test_bad_queues_rejected():
   seqs = mkseqs([5, 7])
   with pytest.raises(ControllerError, match='exactly once'):
-    run(seqs, {0: [0]}, stepsim.SimExecutor(seqs, 1, 2), planner.ReleasePolicy(False))
+    run(seqs, {0: [0]}, stepsim.SimExecutor(seqs, 1, 2), release_policy.ReleasePolicy(False))
   with pytest.raises(ControllerError, match='exactly once'):
-    run(seqs, {0: [0, 1, 1]}, stepsim.SimExecutor(seqs, 1, 2), planner.ReleasePolicy(False))
+    run(seqs, {0: [0, 1, 1]}, stepsim.SimExecutor(seqs, 1, 2), release_policy.ReleasePolicy(False))
 
 
 def test_simulated_wall_time():
   seqs = mkseqs([10] * 8)
   cost = lambda kind, n_active, live: 0.01 * n_active + (0.05 if kind == 'prefill' else 0.0)
   m = stepsim.simulate(seqs, None, scheduler.static_placement(seqs, [0, 1]),
-                       planner.ReleasePolicy(False), 2, 2, 4, step_cost=cost)
+                       release_policy.ReleasePolicy(False), 2, 2, 4, step_cost=cost)
   expect = m['prefill_steps'] * 0.07 + m['decode_steps'] * 0.02
   assert m['generation_wall_s'] == pytest.approx(expect)
   assert m['throughput_tokens_per_s'] == pytest.approx(80 / expect)

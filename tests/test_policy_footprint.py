@@ -1,8 +1,9 @@
-"""policy/footprint.py: parameter counts and expert slots, against hand-computed values."""
+"""policy/params.py: parameter counts and expert slots, against hand-computed values."""
 
 import pytest
 
-from flexfloor_jax.policy import footprint
+from flexfloor_jax.model import param_count
+from flexfloor_jax.policy import floor
 
 
 def test_param_counts_of_the_tiny_preset_by_hand():
@@ -10,9 +11,9 @@ def test_param_counts_of_the_tiny_preset_by_hand():
   # attention per layer: q, o 128 x 4 x 32 = 16384 each; k, v 128 x 2 x 32 = 8192 each: 49152
   # per layer + router 128 x 8 = 1024 + two norms 256: 50432; x 4 layers = 201728
   # embed + lm_head 2 x 259 x 128 = 66304, final norm 128: 268160 non-expert
-  assert footprint.nonexpert_params(259, 128, 4, 4, 2, 32, 8) == 268160
+  assert param_count.nonexpert_params(259, 128, 4, 4, 2, 32, 8) == 268160
   # one expert: w1, w3 (128 x 256) and w2 (256 x 128) in 4 layers: 3 x 32768 x 4 = 393216
-  assert footprint.expert_params(128, 256, 4) == 393216
+  assert param_count.expert_params(128, 256, 4) == 393216
 
 
 def test_model_config_and_sim_model_count_the_same_params():
@@ -27,11 +28,11 @@ def test_model_config_and_sim_model_count_the_same_params():
 @pytest.mark.parametrize("experts,workers,slots", [(8, 1, 8), (8, 3, 3), (8, 7, 2), (8, 8, 1),
                                                    (128, 7, 19), (1, 4, 1)])
 def test_expert_slots(experts, workers, slots):
-  assert footprint.expert_slots(experts, workers) == slots
+  assert floor.expert_slots(experts, workers) == slots
 
 
 def test_preallocated_slots_follow_the_floor_only_for_flexfloor():
-  assert footprint.preallocated_slots("flexfloor", 8, 8, 3) == 3
-  assert footprint.preallocated_slots("static", 8, 8, 3) == 1
-  assert footprint.preallocated_slots("balanced", 8, 8, 3) == 1
-  assert footprint.preallocated_slots("flexfloor", 8, 8, 8) == 1
+  assert floor.preallocated_slots("flexfloor", 8, 8, 3) == 3
+  assert floor.preallocated_slots("static", 8, 8, 3) == 1
+  assert floor.preallocated_slots("balanced", 8, 8, 3) == 1
+  assert floor.preallocated_slots("flexfloor", 8, 8, 8) == 1

@@ -5,7 +5,7 @@ byte budget, and paged = fixed slots when the pool holds every slot's full row."
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import pages, planner, scheduler, stepsim
+from flexfloor_jax.policy import pages, release_policy, scheduler, stepsim
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.pages import PagePool, PagePoolError
 
@@ -41,7 +41,7 @@ class Checked(stepsim.SimExecutor):
 def run_paged(seqs, queues, N, pool, spd=5, policy=None):
   from flexfloor_jax.policy.controller import run
   ex = Checked(pool, seqs, N, pool.max_seqs)
-  rec = run(seqs, queues, ex, policy or planner.ReleasePolicy(False), steps_per_dispatch=spd,
+  rec = run(seqs, queues, ex, policy or release_policy.ReleasePolicy(False), steps_per_dispatch=spd,
             clock=lambda: float(ex.steps), kv=pool)
   return rec, ex
 
@@ -171,7 +171,7 @@ def test_deterministic_page_ids():
 
     from flexfloor_jax.policy.controller import run
     ex = Snap(pool, seqs, 2, 5)
-    rec = run(seqs, scheduler.static_placement(seqs, [0, 1]), ex, planner.ReleasePolicy(False),
+    rec = run(seqs, scheduler.static_placement(seqs, [0, 1]), ex, release_policy.ReleasePolicy(False),
               steps_per_dispatch=4, clock=lambda: float(ex.steps), kv=pool)
     return np.stack(tables), pool.preemptions, rec.metrics()
   t1, p1, m1 = once()
@@ -190,10 +190,10 @@ def test_paged_with_full_rows_runs_the_fixed_slot_steps(policy_kind):
   seqs = mkseqs(lengths)
   pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
   if policy_kind == 'static':
-    queues, mk = scheduler.static_placement(seqs, list(range(N))), lambda: planner.ReleasePolicy(False)
+    queues, mk = scheduler.static_placement(seqs, list(range(N))), lambda: release_policy.ReleasePolicy(False)
   else:
     queues = scheduler.flexfloor_placement(seqs, list(pred.values()), list(range(N)), B)
-    mk = lambda: planner.ReleasePolicy(floor=1, predicted=pred, compaction=True)
+    mk = lambda: release_policy.ReleasePolicy(floor=1, predicted=pred, compaction=True)
   m0, r0 = stepsim.simulate(seqs, None, queues, mk(), N, B, 5, return_record=True)
   pool = PagePool(N, pages.equal_budget_pages(B, L, P), P, B, predicted=pred, margin=1e9)
   m1, r1 = stepsim.simulate(seqs, None, queues, mk(), N, B, 5, return_record=True, kv=pool)
@@ -221,7 +221,7 @@ def test_makespan_lower_bound_by_hand():
   one = [Seq(i, f'p{i}', 0, 4, 4, 8) for i in range(3)]
   lb = pages.makespan_lower_bound(one, {s.seq_id: 4 for s in one}, 1, 3, 4, 4)
   assert (lb['longest'], lb['rows'], lb['pages'], lb['bound']) == (6, 6, 8, 8)
-  m = stepsim.simulate(one, None, {0: [0, 1, 2]}, planner.ReleasePolicy(False), 1, 4, 5,
+  m = stepsim.simulate(one, None, {0: [0, 1, 2]}, release_policy.ReleasePolicy(False), 1, 4, 5,
                        kv=PagePool(1, 3, 4, 4, predicted={q: 4.0 for q in range(3)}))
   assert m['makespan_steps'] == 12 >= lb['bound']
 
@@ -236,7 +236,7 @@ def test_makespan_lower_bound_holds_on_simulated_runs(seed):
   lb = pages.makespan_lower_bound(seqs, {s.seq_id: s.target_len for s in seqs}, N, 12, P, S)
   for queues in (scheduler.static_placement(seqs, list(range(N))),
                  scheduler.balanced_placement(seqs, list(pred.values()), list(range(N)), S)):
-    m = stepsim.simulate(seqs, None, queues, planner.ReleasePolicy(False), N, S, 5,
+    m = stepsim.simulate(seqs, None, queues, release_policy.ReleasePolicy(False), N, S, 5,
                          kv=PagePool(N, 12, P, S, predicted=pred))
     assert m['makespan_steps'] >= max(lb['rows'], lb['pages'])  # with preemptions too
     if m['kv']['preemptions'] == 0:  # 'longest' assumes the longest is not preempted

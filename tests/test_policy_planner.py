@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import planner, scheduler, stepsim
+from flexfloor_jax.policy import release_policy, scheduler, stepsim
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.floor import FloorError, floor_workers, release_sizes
-from flexfloor_jax.policy.placement import ExpertPlacement
-from flexfloor_jax.policy.planner import ReleasePolicy
+from flexfloor_jax.policy.release_policy import ReleasePolicy
 
 
 def mkseqs(lengths, max_new=256):
@@ -138,9 +138,9 @@ def test_plan_never_delays_completion():
 
 def test_future_device_steps():
   # chain order finishes [5, 3, 8]: releases at 5, 5, 8; floor 2 keeps the last two to 8
-  assert planner.future_device_steps([5, 3, 8], 1) == 18
-  assert planner.future_device_steps([5, 3, 8], 2) == 21
-  assert planner.list_schedule_finish([4], [3, 3, 3], 2) == 7  # slots free at 4 and 0
+  assert release_policy.future_device_steps([5, 3, 8], 1) == 18
+  assert release_policy.future_device_steps([5, 3, 8], 2) == 21
+  assert release_policy.list_schedule_finish([4], [3, 3, 3], 2) == 7  # slots free at 4 and 0
 
 
 def test_expert_placement_moves_only_released():

@@ -3,7 +3,7 @@ against hand-computed schedules."""
 
 import pytest
 
-from flexfloor_jax.policy.reuse import logprob_phase_seconds
+from flexfloor_jax.sim.reuse import logprob_phase_seconds
 
 
 def test_no_release_no_gain():

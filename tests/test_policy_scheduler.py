@@ -10,10 +10,14 @@ import textwrap
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import planner, prediction, scheduler, stepsim, workload
-from flexfloor_jax.policy.history import HISTORY_FORMAT, HISTORY_VERSION
+from flexfloor_jax.policy import prediction, release_policy, scheduler, stepsim, workload
 from flexfloor_jax.policy.controller import Seq, run
-from flexfloor_jax.policy.history import HistoryError, LengthHistory
+from flexfloor_jax.policy.history import (
+  HISTORY_FORMAT,
+  HISTORY_VERSION,
+  HistoryError,
+  LengthHistory,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,7 +149,7 @@ def test_flexfloor_placement_replays_within_capacity(epoch):
       return out
 
   ex = Checked(seqs, 8, 4)  # actual lengths, not the predicted ones
-  rec = run(seqs, queues, ex, planner.ReleasePolicy(chain=chain, predicted=pred), 8)
+  rec = run(seqs, queues, ex, release_policy.ReleasePolicy(chain=chain, predicted=pred), 8)
   assert len(rec.finishes) == len(seqs)
   assert info['predicted_makespan'] <= info['static_predicted_makespan'] + 1e-9
 
@@ -189,7 +193,7 @@ def test_pool_aware_balanced_placement_by_hand():
   assert lane == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
   assert mem == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
   lengths = {s.seq_id: s.target_len for s in seqs}
-  ms = [stepsim.simulate(seqs, None, q, planner.ReleasePolicy(False), 2, 4, 5,
+  ms = [stepsim.simulate(seqs, None, q, release_policy.ReleasePolicy(False), 2, 4, 5,
                          kv=kv(lengths))['makespan_steps'] for q in (lane, mem)]
   assert ms == [85, 43]
   from flexfloor_jax.policy import pages
@@ -210,7 +214,7 @@ def test_pool_aware_pack_spreads_what_lanes_stack():
   assert packed == {0: [1, 5, 6, 7], 1: [0, 2, 3, 4]}
   assert [load.finish(v) for v in packed.values()] == [44.0, 44.0]
   lengths = {s.seq_id: s.target_len for s in seqs}
-  ms = [stepsim.simulate(seqs, None, q, planner.ReleasePolicy(False), 2, 4, 5,
+  ms = [stepsim.simulate(seqs, None, q, release_policy.ReleasePolicy(False), 2, 4, 5,
                          kv=kv(lengths))['makespan_steps']
         for q in ({0: [], 1: list(range(8))}, packed)]
   assert ms[1] == 43 < ms[0]

@@ -5,12 +5,19 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from flexfloor_jax.policy import accounting, costs, plan, planner, scheduler, stepsim, workload
-from flexfloor_jax.policy.history import HistoryError, LengthHistory
+from flexfloor_jax.policy import (
+  accounting,
+  costs,
+  plan,
+  release_policy,
+  scheduler,
+  stepsim,
+  workload,
+)
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
 
 
 def seqs_of(lengths, prompt="p"):
@@ -31,9 +38,9 @@ def test_shared_queue_takes_waiting_work_and_conserves():
   s = seqs_of(lengths)
   queues = {0: [x.seq_id for x in s], 1: [], 2: [], 3: []}
   pred = {x.seq_id: float(x.target_len) for x in s}
-  alone = stepsim.simulate(s, None, queues, planner.ReleasePolicy(enabled=False), 4, 1, 8,
+  alone = stepsim.simulate(s, None, queues, release_policy.ReleasePolicy(enabled=False), 4, 1, 8,
                            return_record=True)
-  shared = planner.ReleasePolicy(floor=4, chain=[0, 1, 2, 3], predicted=pred, shared_queue=True,
+  shared = release_policy.ReleasePolicy(floor=4, chain=[0, 1, 2, 3], predicted=pred, shared_queue=True,
                                  compaction=False, swap=False, steal=False)
   m, rec = stepsim.simulate(s, None, queues, shared, 4, 1, 8, return_record=True)
   assert sorted(rec.finishes) == sorted(pred)
@@ -50,7 +57,7 @@ def _release_sizes(cost, slack=0.05, lengths=(40, 3, 3, 3, 3, 3, 3, 3), with_ste
   queues[0] = []
   queues[7] = [7, 0]
   pred = {x.seq_id: float(x.target_len) for x in s}
-  pol = planner.ReleasePolicy(floor=1, chain=list(range(8)), predicted=pred, cost=cost,
+  pol = release_policy.ReleasePolicy(floor=1, chain=list(range(8)), predicted=pred, cost=cost,
                               makespan_slack=slack, predicted_makespan_steps=45.0)
   m, rec = stepsim.simulate(s, None, queues, pol, 8, 2, 4, return_record=True)
   sizes, steps = [8], []

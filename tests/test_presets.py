@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from packaging.version import Version
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tr
 from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def test_transformers_does_not_mistake_our_kernels_package(monkeypatch):
   """transformers 5.x decides `is_kernels_available()` by find_spec('kernels') plus the version
   of the distribution that owns the name (importlib.metadata.packages_distributions): here
   flexfloor-jax, whose 0.x version is below KERNELS_MIN_VERSION (0.18.2), so it is False. Were it
-  True, importing any transformers model would run `from kernels import get_kernel, ...` against
+  True, importing any transformers model would run `from flexfloor_jax.kernels import get_kernel, ...` against
   our package and fail. Checked in a fresh interpreter (the result is cached per process)."""
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env,

@@ -89,8 +89,9 @@ def _damage(step_dir, how):
   elif how == "incomplete":  # killed before meta.json was written
     os.unlink(meta)
   elif how == "nan_values":
-    from flexfloor_jax.rl import checkpoints as ckpts
     import jax.numpy as jnp
+
+    from flexfloor_jax.rl import checkpoints as ckpts
     p, o = _state(3)
     p["w"] = p["w"].at[1, 2].set(jnp.nan)
     c = grpo_config(os.path.dirname(os.path.dirname(step_dir)))
@@ -240,11 +241,12 @@ def test_integer_hf_weights_are_refused_before_any_read(tmp_path, monkeypatch):
 
 
 def test_nonfinite_orbax_weight_is_refused(tmp_path):
+  import jax
   import jax.numpy as jnp
+
   from flexfloor_jax.model import checkpoint as ck
   from flexfloor_jax.model import transformer as tfm
   from flexfloor_jax.model.config import ModelConfig
-  import jax
   cfg = ModelConfig(vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=1,
                     num_heads=2, num_kv_heads=1, head_dim=4, num_experts=2, top_k=1)
   params = tfm.init_params(cfg, jax.random.key(0), scale=0.1)
@@ -282,7 +284,7 @@ def test_killed_launcher_leaves_no_child(sig):
   """Before: children in their own sessions survived the launcher (> 5 min, ~1 GB each)."""
   code = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(120)"
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  launcher = subprocess.Popen([sys.executable, "-m", "flexfloor_jax.launch",
+  launcher = subprocess.Popen([sys.executable, "-m", "flexfloor_jax.runtime.launch",
                                "--num_processes=2", "--", sys.executable, "-c", code],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
   pids = []
@@ -401,8 +403,8 @@ def test_bad_inputs_fail_in_one_line_before_jax(tmp_path):
 
 
 def test_validation_helpers_name_the_field():
-  from flexfloor_jax.cli import load_config
-  from flexfloor_jax.settings import ConfigError, load
+  from flexfloor_jax.config.cli import load_config
+  from flexfloor_jax.config.settings import ConfigError, load
   c = load_config("grpo", "tiny")
   load(c), load(c, "train"), load(c, "sft")  # the defaults pass
   bad = load_config("grpo", "tiny")
@@ -453,8 +455,9 @@ def test_history_records_model_and_restarts_for_another(tmp_path, caplog):
 def test_rollout_cli_loads_history_against_its_model(tmp_path, caplog):
   """What the rollout CLI hands the runner (which saves it): this model's identity; another
   model's history is replaced, not used."""
-  from flexfloor_jax.cli import load_config, prepare_rollout
+  from flexfloor_jax.config.cli import load_config
   from flexfloor_jax.model.config import PRESETS, model_identity
+  from flexfloor_jax.rollout.inputs import prepare_rollout
   c = load_config("mixtral", "tiny")
   c.scheduler.history_path = _history_file(tmp_path, {"builtin-0": {"0": [40]}},
                                            model="cfg-0123456789abcdef")

@@ -11,14 +11,16 @@ step, which rolls out the same weights), without 12 updates that would leave the
 
 import numpy as np
 import pytest
-
-from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax import runner, settings
-from flexfloor_jax.model import checkpoint as ckpt
-from flexfloor_jax.rl import actor as actor_lib, sft, tasks as tasks_lib, train
-from flexfloor_jax.tokenizer import load_tokenizer
-
 from rl_utils import grpo_config
+
+from flexfloor_jax.config import settings
+from flexfloor_jax.model import checkpoint as ckpt
+from flexfloor_jax.model.tokenizer import load_tokenizer
+from flexfloor_jax.rl import actor as actor_lib
+from flexfloor_jax.rl import sft, train
+from flexfloor_jax.rl import tasks as tasks_lib
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 MARGIN = 0.05  # last-5 mean reward over the control's (measured: 0.249 vs 0.143)
 # 12 steps at lr 6e-4 (was 20 at 3e-4: 0.258 vs 0.148, 40% more test time); measured per step:

@@ -5,15 +5,14 @@ training forward on all 8 devices with ep_moe."""
 
 import jax
 import numpy as np
+from rl_utils import grpo_config
 
-from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax import runner
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.model.tokenizer import ByteTokenizer
 from flexfloor_jax.rl import actor, tasks, train
-from flexfloor_jax.tokenizer import ByteTokenizer
-
-from rl_utils import grpo_config
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 TOL = 1e-4  # fp32, the issue's bound
 

@@ -13,12 +13,11 @@ import sys
 import time
 
 import pytest
+from rl_utils import ROOT, config_flags, grpo_config
 
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import train
-
-from rl_utils import ROOT, config_flags, grpo_config
 
 CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(ROOT, ".jax_cache"))
 

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.rl import actor
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 CFG = PRESETS["tiny"].replace(num_layers=2)
 TOL = 1e-4  # ep path vs dense reference: another implementation
@@ -69,11 +69,11 @@ def test_rollout_records_routes_and_replay_matches_rollout(tmp_path):
   """rollout.record_routes: each response carries its tokens' experts per layer; they are the
   experts the training forward picks for the same tokens, and replaying them reproduces the
   rollout's log-probs (<= 1e-4)."""
-  from flexfloor_jax import runner
-  from flexfloor_jax.rl import tasks, train
-  from flexfloor_jax.tokenizer import ByteTokenizer
-
   from rl_utils import grpo_config
+
+  from flexfloor_jax.model.tokenizer import ByteTokenizer
+  from flexfloor_jax.rl import tasks, train
+  from flexfloor_jax.rollout import runner
 
   c = grpo_config(tmp_path)
   c.rollout.prompts, c.rollout.output_dir = str(tmp_path / "prompts.jsonl"), str(tmp_path)

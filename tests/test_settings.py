@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from flexfloor_jax import settings
-from flexfloor_jax.cli import load_config
-from flexfloor_jax.settings import ConfigError, load
+from flexfloor_jax.config import settings
+from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.settings import ConfigError, load
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -275,7 +275,7 @@ def test_a_lengths_file_is_accepted(tmp_path):
 def test_settings_import_no_jax():
   """Every entry point's settings load in a fresh interpreter without jax or flax."""
   code = ("import sys\n"
-          "from flexfloor_jax.cli import load_config\n"
+          "from flexfloor_jax.config.cli import load_config\n"
           "from flexfloor_jax import settings\n"
           "for name, entry in (('mixtral', 'rollout'), ('bench', 'bench'), ('grpo', 'sft'),\n"
           "                    ('grpo', 'train')):\n"

@@ -8,16 +8,16 @@ import sys
 import numpy as np
 import pytest
 
-from flexfloor_jax.policy import plan, planner, stepsim, workload
-from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.policy import plan, release_policy, stepsim, workload
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.sim import cluster, costs, presets, records, replay
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_sim_imports_no_jax():
-  code = ("import sys\nimport flexfloor_jax.sim.cli, flexfloor_jax.policy.measured_hw\n"
+  code = ("import sys\nimport flexfloor_jax.sim.cli, flexfloor_jax.sim.measured_hw\n"
           "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax'))\n"
           "assert not bad, bad\n")
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -141,7 +141,7 @@ def test_group_split_packs_within_balanced_makespan(lanes):
   pre = lanes / ep  # each sequence's prefill lane-steps, as group_split counts them
 
   def finishes(split):
-    return [planner.list_schedule_finish([], [lengths[i] + pre for i in g], lanes) if g else 0.0
+    return [release_policy.list_schedule_finish([], [lengths[i] + pre for i in g], lanes) if g else 0.0
             for g in split]
 
   out = {k: cluster.group_split(seqs, k, hist, G, lanes, ep, slack) for k in plan.SCHEDULES}
@@ -184,9 +184,9 @@ def test_rl_step_released_logprobs_shorten_the_step():
 
 
 def _rollout(pool, seed: int, schedule: str = "flexfloor"):
-  from flexfloor_jax import runner
   from flexfloor_jax.bench import runs as bench_runs
-  from flexfloor_jax import settings
+  from flexfloor_jax.config import settings
+  from flexfloor_jax.rollout import runner
   config = bench_runs.get_bench_config()
   config.sampling.seed = seed  # also the workload seed: another workload
   config.scheduler.release_sizes = "pow2"  # 4 meshes to compile instead of 8 (the fit is per step)

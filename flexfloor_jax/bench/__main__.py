@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from absl import app, flags
 
-from flexfloor_jax import cli
-from flexfloor_jax.policy import outputs
+from flexfloor_jax.bench import report, runs
+from flexfloor_jax.config import cli, settings
+from flexfloor_jax.config.cli import fail
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.runtime.backend import emulate_cpu_devices, enable_compilation_cache
 
 _CONFIG = cli.define_config("configs/bench.py", "Benchmark config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
@@ -28,20 +32,17 @@ def main(argv):
   del argv
   config = _CONFIG.value
   cli.config_loaded(config)
-  from flexfloor_jax import runner, settings
-  from flexfloor_jax.bench import report, runs
-  from flexfloor_jax.cli import enable_compilation_cache, fail
   try:  # every field checked before jax starts, as the rollout CLI does
     st = settings.load(config, "bench")
   except settings.ConfigError as e:
     fail(str(e))
   out = st.bench.output_dir
   try:  # checked and locked before jax starts: a second bench on this directory fails at once
-    lock = outputs.acquire(out, "output_dir")
-  except outputs.OutputDirError as e:
+    lock = output_dir.acquire(out, "output_dir")
+  except output_dir.OutputDirError as e:
     fail(str(e))
   with lock:
-    cli.emulate_cpu_devices(_CPU_DEVICES.value or st.mesh.cpu_devices)  # before jax starts
+    emulate_cpu_devices(_CPU_DEVICES.value or st.mesh.cpu_devices)  # before the first JAX operation
     enable_compilation_cache()
     try:
       doc, timelines, records = runs.run_bench(config, st)
@@ -52,7 +53,7 @@ def main(argv):
       print(line)
     try:
       report.write_outputs(doc, timelines, records, out)
-    except outputs.OutputWriteError as e:
+    except output_dir.OutputWriteError as e:
       fail(str(e))
   print(f"wrote {out}/bench.json, bench.png, runs/ ({doc['bench_seconds']:.0f} s)")
 

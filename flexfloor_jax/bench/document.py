@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from flexfloor_jax.policy import release_policy, scheduler, stepsim
 from flexfloor_jax.policy.accounting import jsonable
+from flexfloor_jax.rollout import kv_pool
+from flexfloor_jax.sim.records import calibrate_and_predict
 
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
 PAPER_THROUGHPUT = 1.527  # +52.7% generation throughput
@@ -35,7 +38,6 @@ def pool_factory(c, summary: dict):
   """Paged KV: (predicted lengths) -> a fresh PagePool built exactly as the runner built the run's
   (kv_pool.make_pool from the run's rollout settings, workers and max_seq_len); None: fixed
   slots."""
-  from flexfloor_jax.policy import kv_pool
   if not paged(summary):
     return None
   return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])
@@ -46,7 +48,6 @@ def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> di
   knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
   the same lengths), at flexfloor's floor and release sizes. `kv`: paged KV, the runs' pool
   factory (the bound runs on the same pool, admitting by the actual lengths)."""
-  from flexfloor_jax.policy import planner, scheduler, stepsim
   s = ff_result.summary
   lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
   by_id = {x.seq_id: x for x in seqs}
@@ -54,7 +55,7 @@ def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> di
   actual = [float(lengths[x.seq_id]) for x in seqs]
   queues = scheduler.balanced_placement(seqs, actual, list(range(n)), b)
   known = {q: float(v) for q, v in lengths.items()}
-  pol = planner.ReleasePolicy(floor=s["floor"], chain=list(range(n)), shared_queue=True,
+  pol = release_policy.ReleasePolicy(floor=s["floor"], chain=list(range(n)), shared_queue=True,
                               predicted=known,
                               sizes=tuple(s["release_sizes"]) if s.get("release_sizes") else None)
   m = stepsim.simulate(list(by_id.values()), lengths, queues, pol, n, b, steps_per_dispatch,
@@ -113,7 +114,6 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
 def calibrate(records: dict) -> dict | None:
   """The sim's cpu preset fitted on the workload of epoch 0 (its static and flexfloor runs),
   predicting the runs of every later epoch (held-out workloads: other lengths)."""
-  from flexfloor_jax.sim.records import calibrate_and_predict
   fit = [records[(n, 0)] for n in ("static", "flexfloor") if (n, 0) in records]
   held = [rec for (n, k), rec in sorted(records.items(), key=lambda kv: (kv[0][1], kv[0][0]))
           if k > 0]

@@ -7,7 +7,8 @@ import json
 import os
 
 from flexfloor_jax.bench.document import PAPER_THROUGHPUT, PAPER_TOKENS_PER_DEVICE_TIME
-from flexfloor_jax.policy import outputs
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.policy import accounting
 
 RELEASE_ONLY_TARGET = 0.9  # release alone should recover at least this share of its ceiling
 TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "makespan", ".0f"),
@@ -154,7 +155,6 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  from flexfloor_jax.policy import accounting
   last = doc["epochs"][-1]["epoch"]
   fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4))
   for (name, k), tl in sorted(timelines.items()):
@@ -195,9 +195,9 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
 
 def write_outputs(doc, timelines, records, out_dir: str) -> str:
   """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
-  (policy/outputs.py); returns the set's directory. Raises outputs.OutputWriteError naming the
+  (policy/output_dir.py); returns the set's directory. Raises output_dir.OutputWriteError naming the
   file."""
-  s = outputs.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
+  s = output_dir.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
   s.write("bench.json", json.dumps(doc, indent=2))
   for (name, k), rec in records.items():
     s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))

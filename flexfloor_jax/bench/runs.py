@@ -18,9 +18,19 @@ import copy
 import sys
 import time
 
-from flexfloor_jax import cli
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.bench import document
 from flexfloor_jax.bench.document import lanes, paged, pool_factory
+from flexfloor_jax.config import cli, settings
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.tokenizer import load_tokenizer
+from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.rollout import inputs, runner
+from flexfloor_jax.sim import costs, presets, replay
+from flexfloor_jax.sim import records as sim_records
 
 
 def get_bench_config(preset: str = "tiny"):
@@ -55,9 +65,6 @@ def run_config(st, variant: dict, epoch: int):
 def seqs_for(config):
   """The runner's own sequence list for this config or its settings (same prompts, prompt
   lengths, targets)."""
-  from flexfloor_jax import rollout_inputs as inputs
-  from flexfloor_jax import settings
-  from flexfloor_jax.tokenizer import load_tokenizer
   config = settings.as_settings(config)
   model_cfg = inputs.model_config(config)
   tok = load_tokenizer(config.model.checkpoint, model_cfg)
@@ -83,9 +90,7 @@ def _scalars(summary: dict) -> dict:
 def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
   """Every schedule of epoch k, `repeats` times, each from a copy of `history`: schedule ->
   [(run settings, result, history before, history after)]."""
-  from tqdm import tqdm
 
-  from flexfloor_jax import runner
   names = [n for n, _ in variants(st)]
   runs: dict[str, list] = {n: [] for n in names}
   bar = tqdm(total=len(names) * st.bench.repeats, desc=f"epoch {k}", unit="run",
@@ -106,9 +111,7 @@ def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
 def fixed_slot_kv_bytes(model_cfg, slots_per_worker: int, max_seq_len: int) -> int:
   """KV bytes per worker of the fixed-slot cache (slots_per_worker rows of max_seq_len tokens,
   K and V of every layer): what kv_pages=0 gives the paged pool, rounded down to whole pages."""
-  import jax.numpy as jnp
 
-  from flexfloor_jax.model import transformer as tfm
   per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
       * jnp.dtype(tfm.dtype_of(model_cfg)).itemsize
   return int(slots_per_worker) * int(max_seq_len) * per_token
@@ -129,7 +132,6 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   """One run's measures (its summary's numbers, the simulator's device_steps for the same lengths,
   the roofline's device time) and the lengths it produced. Paged KV: the replays run on a pool
   built as the run's, so its peak pages and preemptions are checked too (sim_kv_*)."""
-  from flexfloor_jax.sim import costs, replay
   s = res.summary
   m = _scalars(s)
   lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
@@ -157,10 +159,6 @@ def run_bench(config, st=None, *, progress: bool = True):
   """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
   run record}) (what report.write_outputs() writes). `st`: the config's settings
   (settings.load(config, "bench"), which raises ConfigError; loaded here when not given)."""
-  from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax import settings
-  from flexfloor_jax.policy.history import LengthHistory
-  from flexfloor_jax.sim import presets, records as sim_records
 
   st = settings.load(config, "bench") if st is None else st
   pool = engine_lib.StepCachePool()

@@ -20,21 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flexfloor_jax import distributed
-from flexfloor_jax import elastic
-from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.engine import elastic
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.engine.spec import EngineSpec, SeqInput, SeqOutput, slot_layout, split_params
 from flexfloor_jax.engine.step_set import StepCache, StepSet
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.policy.controller import Finish, dispatch_stops, finish_reason
-from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.runtime import distributed
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 class Engine:
@@ -43,9 +43,9 @@ class Engine:
 
   def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[jax.Device],
                chain: Sequence[int], placement: ExpertPlacement, *, seed: int = 0,
-               epoch: int = 0, step_cache: Optional[StepCache] = None,
+               epoch: int = 0, step_cache: StepCache | None = None,
                prefetch_sizes: Sequence[int] = (), compile_threads: int = 0,
-               mover_plan: Optional[dict] = None):
+               mover_plan: dict | None = None):
     """`prefetch_sizes`: the smaller meshes to compile, in the order they should be ready;
     `mover_plan`: StepCache.plan_movers's argument (None: movers for every device)."""
     self.spec, self.seed, self.epoch = spec, int(seed), int(epoch)
@@ -77,12 +77,12 @@ class Engine:
     self._seq_in_slot: dict[tuple[int, int], int] = {}  # (worker, decode slot) -> live seq id
     self.expert_counts = np.zeros((spec.cfg.num_experts,), np.int64)
     self.compiles_after_start = 0
-    self._pending_release_t0: Optional[float] = None
-    self._migrate_t0: Optional[float] = None  # a plan's migration: its release decision time
+    self._pending_release_t0: float | None = None
+    self._migrate_t0: float | None = None  # a plan's migration: its release decision time
     self.release_latencies: list[float] = []
     self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
     self.pages = None  # paged KV: the host's page pool (attach_pages)
-    self._tables: Optional[np.ndarray] = None  # page tables the device last got [W, B, M]
+    self._tables: np.ndarray | None = None  # page tables the device last got [W, B, M]
     self._kept: dict[int, tuple[list, list]] = {}  # preempted seq -> (tokens, logprobs) so far
     self.preemptions = 0
 

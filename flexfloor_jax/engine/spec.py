@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flexfloor_jax import mesh as mesh_lib
+from flexfloor_jax.engine.sampling import SamplingParams
+from flexfloor_jax.kernels import paged_attention as pa
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ATTENTION_BACKENDS, ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, resolve_exchange
 from flexfloor_jax.policy.pages import pages_for
-from flexfloor_jax.sampling import SamplingParams
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class EngineSpec:
   kv: str = "slots"
   page_size: int = 16
   num_pages: int = 0  # pages per worker (paged KV)
-  # paged decode attention: 'xla' (kernels.paged_attention's reference) | 'pallas' (JAX's
+  # paged decode attention: 'xla' (flexfloor_jax.kernels.paged_attention's reference) | 'pallas' (JAX's
   # paged-attention kernels; interpreted on CPU)
   attention_backend: str = "xla"
 
@@ -82,7 +82,6 @@ class EngineSpec:
     """The paged decode's attention function (model.paged.decode_paged's `attention`). 'pallas'
     on CPU interprets the Triton kernel, which computes in the pool's dtype (the TPU kernel
     rounds k/v to bfloat16): the parity check against 'xla' is then to fp32 rounding."""
-    from kernels import paged_attention as pa
     if self.attention_backend == "pallas" and jax.default_backend() == "cpu":
       return functools.partial(pa.paged_attention_gpu, interpret=True)
     return functools.partial(pa.paged_attention, impl=self.attention_backend)
@@ -113,7 +112,7 @@ class SeqOutput:
   finish_reason: str
   worker: int
   slot: int  # the decode slot it finished in
-  routes: Optional[np.ndarray] = None  # [prompt + tokens - 1, L, K] when spec.record_routes
+  routes: np.ndarray | None = None  # [prompt + tokens - 1, L, K] when spec.record_routes
 
 
 # ----------------------------------------------------------------------------- parameter layouts
@@ -155,7 +154,7 @@ def pages_spec() -> PartitionSpec:
   return mesh_lib.logical_spec("layer", "kv_heads", "batch", None, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _slot_gather(sharding: NamedSharding):
   """One jitted gather per target sharding (the slot table is an argument, not a constant)."""
 

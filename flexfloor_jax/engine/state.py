@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ import numpy as np
 from flax import struct
 
 from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.paged import PagedKVCache
 
 SCALAR_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1")
 _SCALAR = {name: i for i, name in enumerate(SCALAR_COLS)}
@@ -52,7 +53,7 @@ class Scalars:
   key: jax.Array  # uint32[2] sequence key
 
   @classmethod
-  def unpack(cls, a: jax.Array) -> "Scalars":
+  def unpack(cls, a: jax.Array) -> Scalars:
     col = lambda name: a[:, _SCALAR[name]]
     return cls(tokens=col("tokens"), positions=col("positions"), live=col("live") != 0,
                n_gen=col("n_gen"), limit=col("limit"), stop_eos=col("stop_eos") != 0,
@@ -72,11 +73,11 @@ class DecodeState:
   scalars: jax.Array
   out_tokens: jax.Array
   out_logprobs: jax.Array
-  k: Optional[jax.Array] = None
-  v: Optional[jax.Array] = None
-  routes: Optional[jax.Array] = None
-  k_pages: Optional[jax.Array] = None
-  v_pages: Optional[jax.Array] = None
+  k: jax.Array | None = None
+  v: jax.Array | None = None
+  routes: jax.Array | None = None
+  k_pages: jax.Array | None = None
+  v_pages: jax.Array | None = None
 
   def as_dict(self) -> dict:
     """{name: array} of the fields present (elastic.py moves rows by name)."""
@@ -100,7 +101,6 @@ class DecodeState:
 
   @property
   def paged(self):
-    from flexfloor_jax.model.paged import PagedKVCache
     return PagedKVCache(self.k_pages, self.v_pages)
 
 

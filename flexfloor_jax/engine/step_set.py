@@ -9,20 +9,21 @@ import functools
 import os
 import threading
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from flexfloor_jax import distributed
-from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax import movers
+from flexfloor_jax.engine import movers
 from flexfloor_jax.engine import state as state_lib
 from flexfloor_jax.engine.spec import EngineSpec, SeqInput, cache_spec, pages_spec
 from flexfloor_jax.engine.steps import decode_local, prefill_local
 from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.runtime import distributed
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def _abstract(tree, shardings):
@@ -94,7 +95,7 @@ class StepSet:
     first use."""
     return jax.device_put(state_lib.with_expert_table(host, e2s), self.host_sharding)
 
-  def compile(self) -> "StepSet":
+  def compile(self) -> StepSet:
     if not self._compiled:
       self._compiled["prefill"] = self._step_jit(prefill_local, 1).lower(
           *self.prefill_args_abstract()).compile()
@@ -196,7 +197,7 @@ class StepCache:
     self._movers_lock = threading.Lock()
     # size -> (devices needing slot movers, devices needing row movers) after that size's
     # StepSet; None: every device of the chain at the first smaller size (no plan given)
-    self._mover_plan: Optional[dict[int, tuple[set, set]]] = None
+    self._mover_plan: dict[int, tuple[set, set]] | None = None
     self.compile_log: list[tuple[int, float, float]] = []  # (size, start, end) perf_counter
 
   def _new_pool(self):

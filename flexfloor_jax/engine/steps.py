@@ -7,13 +7,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from flexfloor_jax.engine.sampling import sample, sample_one, sequence_key
 from flexfloor_jax.engine.spec import EngineSpec, merge_params
 from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.paged import decode_paged, insert_paged
 from flexfloor_jax.model.moe import ep_moe
+from flexfloor_jax.model.paged import decode_paged, insert_paged
 from flexfloor_jax.policy.controller import worker_stops
-from flexfloor_jax.sampling import sample, sample_one, sequence_key
 
 
 def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC,

@@ -10,36 +10,25 @@ import functools
 import json
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from flexfloor_jax.model import hf_checkpoint
+from flexfloor_jax.model.checkpoint_format import (
+  DTYPES,
+  HF_CONFIG_FILE,
+  ORBAX_CONFIG_FILE,
+  ORBAX_PARAMS_DIR,
+  CheckpointError,
+  Params,
+  read_json,
+)
 from flexfloor_jax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-Params = dict[str, Any]
-
-HF_CONFIG_FILE = "config.json"  # marks a Hugging Face directory
-ORBAX_CONFIG_FILE = "model_config.json"
-ORBAX_PARAMS_DIR = "params"
-
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-class CheckpointError(ValueError):
-  """A checkpoint that cannot be used; the message names the file and the key or field."""
-
-
-
-def read_json(path: str) -> dict:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except FileNotFoundError:
-    raise CheckpointError(f"{path}: file not found") from None
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{path}: not valid JSON ({e})") from None
-
-
 
 def _is_orbax_dir(path: str) -> bool:
   return (os.path.isfile(os.path.join(path, ORBAX_CONFIG_FILE))
@@ -49,8 +38,6 @@ def _is_orbax_dir(path: str) -> bool:
 def save_orbax(path: str, params: Params, cfg: ModelConfig) -> None:
   """Params (sharded or not) under path/params with orbax; the ModelConfig as JSON beside it.
   Blocks until written. Multi-host: every process calls this with its shards."""
-  import jax
-  import orbax.checkpoint as ocp
 
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
@@ -83,8 +70,6 @@ def _orbax_config(path: str) -> ModelConfig:
 
 @functools.cache
 def _finite_program():
-  import jax
-  import jax.numpy as jnp
   return jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
@@ -93,7 +78,6 @@ def finite_flags(arrays) -> list[bool]:
   One program per array would put a cross-device reduction per array in flight at once on a
   sharded tree, and XLA:CPU can then leave one device's participant of an all-reduce unscheduled
   until its rendezvous timeout aborts the process."""
-  import jax
   arrays = list(arrays)
   if not arrays:
     return []
@@ -103,8 +87,6 @@ def finite_flags(arrays) -> list[bool]:
 def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
   """Every array floating point and finite; CheckpointError naming the first bad tensor
   otherwise."""
-  import jax
-  import jax.numpy as jnp
   leaves = jax.tree_util.tree_flatten_with_path(params)[0]
   for kp, x in leaves:
     if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -121,8 +103,6 @@ def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
   """Restore (cfg, params). With `shardings` (a pytree of jax.sharding.Sharding matching the
   params) each array is restored straight onto it, whatever mesh it was saved from; without,
   every array goes to the first local device."""
-  import jax
-  import orbax.checkpoint as ocp
 
   path = os.path.abspath(path)
   cfg = _orbax_config(path)
@@ -150,7 +130,6 @@ def load_orbax(path: str, shardings: Any = None) -> tuple[ModelConfig, Params]:
 def inspect_checkpoint(path: str) -> ModelConfig:
   """The ModelConfig of a HF or orbax checkpoint without reading any tensor (fail fast)."""
   if os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
-    from flexfloor_jax.model import hf_checkpoint  # it imports this module
     return hf_checkpoint.inspect_hf(path)
   if _is_orbax_dir(path):
     return _orbax_config(os.path.abspath(path))
@@ -158,21 +137,19 @@ def inspect_checkpoint(path: str) -> ModelConfig:
                         f"{ORBAX_CONFIG_FILE} + {ORBAX_PARAMS_DIR}/ for orbax)")
 
 
-def load_checkpoint(path: str, preset_cfg: Optional[ModelConfig] = None, *,
-                    dtype: Optional[str] = None, shardings: Any = None
-                    ) -> Optional[tuple[ModelConfig, Params]]:
+def load_checkpoint(path: str, preset_cfg: ModelConfig | None = None, *,
+                    dtype: str | None = None, shardings: Any = None
+                    ) -> tuple[ModelConfig, Params] | None:
   """'' -> None (the caller does random init with preset_cfg); a directory with config.json ->
   Hugging Face; an orbax directory (save_orbax) -> orbax. The checkpoint's dimensions win over
   the preset's; differences are logged."""
   if not path:
     return None
   if os.path.isfile(os.path.join(path, HF_CONFIG_FILE)):
-    from flexfloor_jax.model import hf_checkpoint  # it imports this module
     cfg, params = hf_checkpoint.load_hf(path, dtype=dtype, shardings=shardings)
   elif _is_orbax_dir(path):
     cfg, params = load_orbax(path, shardings=shardings)
     if dtype is not None and DTYPES.get(dtype, dtype) != cfg.dtype:
-      import jax
       cfg = cfg.replace(dtype=DTYPES.get(dtype, dtype))
       params = jax.tree.map(lambda x: x.astype(cfg.dtype), params)
       _check_params(params, os.path.join(path, ORBAX_PARAMS_DIR), cfg)  # the cast may overflow

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Optional
 
-from flexfloor_jax.policy import footprint
+from flexfloor_jax.model import param_count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +22,7 @@ class ModelConfig:
   top_k: int
   rope_theta: float = 1e6
   rms_eps: float = 1e-5
-  sliding_window: Optional[int] = None  # None = full causal attention
+  sliding_window: int | None = None  # None = full causal attention
   max_position_embeddings: int = 32768
   eos_id: int = 2
   bos_id: int = 1
@@ -40,15 +39,15 @@ class ModelConfig:
     if self.top_k > self.num_experts:
       raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def param_count(self) -> int:
     """Parameter count from the dimensions alone (embed + layers + norm + untied lm_head)."""
     e = self.num_experts
-    return (footprint.nonexpert_params(self.vocab_size, self.hidden_size, self.num_layers,
+    return (param_count.nonexpert_params(self.vocab_size, self.hidden_size, self.num_layers,
                                        self.num_heads, self.num_kv_heads, self.head_dim, e)
-            + e * footprint.expert_params(self.hidden_size, self.intermediate_size,
+            + e * param_count.expert_params(self.hidden_size, self.intermediate_size,
                                           self.num_layers))
 
 
@@ -85,7 +84,7 @@ def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
   takes its Mosaic GPU kernel only for bf16/fp16 operands of one dtype with K % 64 == 0 and either
   tiles of 8..56 rows (multiples of 8: the swapped kernel) with N % 64 == 0 or tiles of 64 rows or
   a multiple of 128 with N % 128 == 0, and the XLA loop otherwise (e.g. fp32, the tiny preset; see
-  `kernels.gmm_mgpu.mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
+  `flexfloor_jax.kernels.gmm_mgpu.mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
   actor's (8) take the swapped kernel, clear of the row-major kernel's race at tile_m 128 with
   K/64 = 5 or 6 (README "Device check").
   'pallas': the Pallas kernels; on CPU in interpret mode (the parity-test path).

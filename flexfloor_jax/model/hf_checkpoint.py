@@ -24,13 +24,20 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
+import jax
 import ml_dtypes  # noqa: F401  registers bfloat16 with numpy, so safetensors' numpy reader has it
 import numpy as np
+from safetensors import safe_open
 
-from flexfloor_jax.model.checkpoint import (DTYPES, HF_CONFIG_FILE, CheckpointError, Params,
-                                           read_json)
+from flexfloor_jax.model.checkpoint_format import (
+  DTYPES,
+  HF_CONFIG_FILE,
+  CheckpointError,
+  Params,
+  read_json,
+)
 from flexfloor_jax.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -142,7 +149,6 @@ class _Entry:
 
 def _inventory(path: str) -> dict[str, _Entry]:
   """key -> (file, shape, dtype) from the index (if any) and the safetensors headers only."""
-  from safetensors import safe_open
 
   index_path = os.path.join(path, INDEX_FILE)
   if os.path.exists(index_path):
@@ -253,7 +259,7 @@ def inspect_hf(path: str) -> ModelConfig:
 # ----------------------------------------------------------------------------- load HF
 
 
-def load_hf(path: str, *, dtype: Optional[str] = None, shardings: Any = None
+def load_hf(path: str, *, dtype: str | None = None, shardings: Any = None
             ) -> tuple[ModelConfig, Params]:
   """Read a Hugging Face Mixtral directory into our params layout.
 
@@ -262,8 +268,6 @@ def load_hf(path: str, *, dtype: Optional[str] = None, shardings: Any = None
   Stacked arrays are preallocated and filled one tensor at a time, so host memory peaks at about
   one copy of the model (plus the device copy made at the end).
   """
-  import jax
-  from safetensors import safe_open
 
   cfg, _, inv, exp = _validate(path)
   if dtype is not None:

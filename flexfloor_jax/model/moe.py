@@ -33,14 +33,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flexfloor_jax.mesh import mesh_axis
+from flexfloor_jax.kernels.combine import combine
+from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
+from flexfloor_jax.kernels.grouped_matmul import grouped_matmul
+from flexfloor_jax.kernels.permute import permute
+from flexfloor_jax.kernels.ragged_exchange import ragged_all_to_all
 from flexfloor_jax.model.transformer import Params, route
-from kernels.combine import combine
-from kernels.dispatch_plan import make_plan, padded_rows
-from kernels.grouped_matmul import grouped_matmul
-from kernels.permute import permute
-from kernels.ragged_exchange import ragged_all_to_all
-
+from flexfloor_jax.runtime.mesh import mesh_axis
 
 EXCHANGES = ("all_to_all", "ragged")
 

@@ -1,7 +1,7 @@
 """The decoder's KV cache as a pool of fixed-size pages, read and written through page tables.
 
 `PagedKVCache` holds one worker's pool: k_pages, v_pages [num_layers, K, num_pages, page_size, hd]
-(kv-head major, the layout of `kernels.paged_attention`). A row's page table [M] names the pages
+(kv-head major, the layout of `flexfloor_jax.kernels.paged_attention`). A row's page table [M] names the pages
 holding its positions in order (position t: page table[t // page_size], offset t % page_size; an
 entry < 0 is "no page"). Which pages a row owns is decided by the caller: nothing here allocates.
 With M * page_size equal to a fixed-slot cache's length and the same values in the pages,
@@ -11,18 +11,18 @@ attention gathers the pages and runs the same attention math.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from flexfloor_jax.kernels.paged_attention import paged_attention_xla
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
-from kernels.paged_attention import paged_attention_xla
 
 # attention(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B, *, sliding_window)
-# -> [B, H, hd]: `kernels.paged_attention.paged_attention` with an impl bound, or its reference.
+# -> [B, H, hd]: `flexfloor_jax.kernels.paged_attention.paged_attention` with an impl bound, or its reference.
 PagedAttentionFn = Callable[..., jax.Array]
 
 
@@ -33,7 +33,7 @@ class PagedKVCache:
   v_pages: jax.Array
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int) -> "PagedKVCache":
+  def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int) -> PagedKVCache:
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
     return cls(jnp.zeros(shape, tfm.dtype_of(cfg)), jnp.zeros(shape, tfm.dtype_of(cfg)))
 
@@ -74,7 +74,7 @@ def insert_paged(cache: PagedKVCache, k: jax.Array, v: jax.Array, page_table_PM:
 
 def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
                  page_table_BM: jax.Array, tokens_B: jax.Array, positions_B: jax.Array,
-                 live_B: jax.Array, *, moe_fn: Optional[tfm.MoEFn] = None,
+                 live_B: jax.Array, *, moe_fn: tfm.MoEFn | None = None,
                  attention: PagedAttentionFn = paged_attention_xla):
   """One decode step for every row: the token at `positions_B` is written at its page and
   attends to positions <= positions_B through the row's page table. A dead row (live_B False)

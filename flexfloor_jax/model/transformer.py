@@ -19,14 +19,15 @@ inside `shard_map` and only `moe_fn` communicates.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model.config import ModelConfig
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 Params = dict[str, Any]
 # moe_fn(x_TD, layer_params, valid_T) -> (y_TD, aux); aux is a dict of per-layer arrays.
@@ -39,7 +40,7 @@ EXPERT_KEYS = ("w1", "w3", "w2")  # the expert stacks of `layers`, in (gate, up,
 
 # Logical axes of every params leaf, by leaf name (the layout above). The router's last dim is
 # every expert's logit, which each worker computes whole: not the sharded 'expert' axis.
-PARAM_AXES: dict[str, tuple[Optional[str], ...]] = {
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "embed": ("vocab", "embed"),
     "final_norm": ("embed",),
     "lm_head": ("embed", "vocab"),
@@ -186,7 +187,7 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
 
 
 def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array, k_valid_BS: jax.Array,
-                   sliding_window: Optional[int]) -> jax.Array:
+                   sliding_window: int | None) -> jax.Array:
   """[B, T, S] bool: causal, valid keys only, and within the sliding window if any."""
   q = q_pos_BT[:, :, None]
   kp = k_pos_BS[:, None, :]
@@ -272,8 +273,8 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
-            valid_BT: Optional[jax.Array] = None, moe_fn: Optional[MoEFn] = None,
-            return_hidden: bool = False, route_LBTK: Optional[jax.Array] = None):
+            valid_BT: jax.Array | None = None, moe_fn: MoEFn | None = None,
+            return_hidden: bool = False, route_LBTK: jax.Array | None = None):
   """Full-sequence causal logits [B, T, V] (fp32), no cache. Right padding: pass valid_BT.
   `route_LBTK`: routing replay, the experts each layer must use for each token."""
   moe_fn = moe_fn or default_moe_fn(cfg)
@@ -302,7 +303,7 @@ class KVCache:
   v: jax.Array
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
+  def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
     shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
     return cls(jnp.zeros(shape, dtype_of(cfg)), jnp.zeros(shape, dtype_of(cfg)))
 
@@ -312,7 +313,7 @@ class KVCache:
 
 
 def prefill(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array, *,
-            moe_fn: Optional[MoEFn] = None):
+            moe_fn: MoEFn | None = None):
   """Prompt pass for right-padded prompts. Returns (last-token logits [B, V], k, v
   [num_layers, B, T, K, hd], aux). `insert` writes k/v into cache slots."""
   moe_fn = moe_fn or default_moe_fn(cfg)
@@ -344,7 +345,7 @@ def insert(cache: KVCache, k: jax.Array, v: jax.Array, slots_P: jax.Array) -> KV
 
 
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array,
-           positions_B: jax.Array, valid_B: jax.Array, *, moe_fn: Optional[MoEFn] = None):
+           positions_B: jax.Array, valid_B: jax.Array, *, moe_fn: MoEFn | None = None):
   """One decode step for every slot: token at `positions_B` attends to cache[:positions_B] and
   itself. Returns (logits [B, V] fp32, new cache, aux). Per-slot shapes are fixed by the cache
   length, so a slot's result does not depend on the other slots (batch invariance)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexfloor_jax.policy.atomic import atomic_open
+from flexfloor_jax.io.atomic import atomic_open
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Timeline:
                 migrations=self.migrations, releases=self.releases)
 
   @classmethod
-  def from_dict(cls, d: dict) -> 'Timeline':
+  def from_dict(cls, d: dict) -> Timeline:
     return cls(**d)
 
   def step_end_time(self, step_count: int) -> float:

@@ -24,7 +24,7 @@ import copy
 from dataclasses import dataclass, field
 
 from flexfloor_jax.policy import stepsim
-from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
 
 
 @dataclass

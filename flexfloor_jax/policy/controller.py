@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from flexfloor_jax.policy.accounting import Timeline, metrics as _metrics
+from flexfloor_jax.policy.accounting import Timeline
+from flexfloor_jax.policy.accounting import metrics as _metrics
 
 
 @dataclass
@@ -133,10 +135,10 @@ class Plan:
 class ReleasePolicyLike(Protocol):
   enabled: bool
 
-  def stop_masks(self, state: 'State') -> tuple[np.ndarray, np.ndarray]:
+  def stop_masks(self, state: State) -> tuple[np.ndarray, np.ndarray]:
     """(stop_on_finish, stop_on_idle) by position in state.active."""
 
-  def plan(self, state: 'State') -> Plan | None:
+  def plan(self, state: State) -> Plan | None:
     ...
 
 

@@ -12,7 +12,8 @@ makespan stays within its slack. Sources:
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 

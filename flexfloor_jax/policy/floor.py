@@ -3,20 +3,30 @@ in-flight workspace on each device, and the active-group sizes a release may lea
 
 from __future__ import annotations
 
-from flexfloor_jax.policy import footprint
+import math
 
 
 class FloorError(ValueError):
   """The model (or a release) does not fit: below the floor, or not even on every worker."""
 
 
+def expert_slots(num_experts: int, workers: int) -> int:
+  """Slots each of `workers` needs so that every expert has one: ceil(E / workers)."""
+  return math.ceil(num_experts / workers)
+
+
+def preallocated_slots(schedule: str, num_experts: int, num_workers: int, floor: int) -> int:
+  """Expert slots a worker allocates for a rollout: a flexfloor rollout may shrink to `floor`
+  workers and the slots cannot grow after the start, so it allocates the floor's; the other
+  schedules never shrink."""
+  return expert_slots(num_experts, floor if schedule == "flexfloor" else num_workers)
 def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
                   kv_bytes_per_worker: int, device_memory_bytes: int, max_workers: int,
                   workspace_bytes: int = 0) -> int:
   """Fewest workers n such that nonexpert + ceil(E/n) expert slots + KV + workspace fit on each
   device (`workspace_bytes`: what a release or migration holds in flight on one device)."""
   def need(n):
-    return (nonexpert_bytes + footprint.expert_slots(num_experts, n) * expert_bytes
+    return (nonexpert_bytes + expert_slots(num_experts, n) * expert_bytes
             + kv_bytes_per_worker + workspace_bytes)
   for n in range(1, max_workers + 1):
     if need(n) <= device_memory_bytes:
@@ -25,7 +35,7 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
   raise FloorError(
       f'model does not fit on {max_workers} workers: each needs {need(max_workers) / gib:.2f} GiB '
       f'(non-expert {nonexpert_bytes / gib:.2f} + '
-      f'{footprint.expert_slots(num_experts, max_workers)} of '
+      f'{expert_slots(num_experts, max_workers)} of '
       f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f} + '
       f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
 

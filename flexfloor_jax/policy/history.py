@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.policy.controller import Seq
 
 HISTORY_FORMAT = 'flexfloor_jax.length_history'
@@ -72,7 +72,7 @@ class LengthHistory:
 
   @classmethod
   def from_table(cls, table, source: str, *, max_new_tokens: int | None = None,
-                 step_seconds=None, model: str | None = None) -> 'LengthHistory':
+                 step_seconds=None, model: str | None = None) -> LengthHistory:
     """A history from its saved "prompts" table, every value checked: each prompt's epochs are
     integers >= 0 holding non-empty lists of whole lengths in [1, max_new_tokens] (every response
     has at least its first token; max_new_tokens unchecked when None). HistoryError names
@@ -106,7 +106,7 @@ class LengthHistory:
 
   @classmethod
   def load(cls, path: str, *, max_new_tokens: int | None = None,
-           model: str | None = None) -> 'LengthHistory':
+           model: str | None = None) -> LengthHistory:
     """Missing file -> empty history. Corrupt or foreign file, or an impossible value (a length
     outside [1, max_new_tokens], an empty list) -> HistoryError naming the path and the prompt
     (never a silent reset: that would throw away what the scheduler learned). A file recorded

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

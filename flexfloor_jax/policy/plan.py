@@ -3,9 +3,9 @@ rollouts) and the simulator (replays) both call, so what is simulated is what ru
 
 from __future__ import annotations
 
-from flexfloor_jax.policy import costs, planner, prediction, scheduler
-from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.policy import costs, prediction, release_policy, scheduler
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.history import LengthHistory
 
 SCHEDULES = ("static", "balanced", "flexfloor")
 PLACEMENTS = ("auto", "static", "balanced")
@@ -56,7 +56,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
         seqs, history, workers, slots_per_worker, floor=floor,
         steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
         policy_kw=dict(shared_queue=True, sizes=sizes), kv=kv)
-    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
+    policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,
                                    predicted_makespan_steps=info["balanced_predicted_makespan"],
@@ -75,19 +75,19 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
       index = {s.seq_id: i for i, s in enumerate(seqs)}
       makespan = max(load.finish([index[q] for q in v]) for v in queues.values())
     else:
-      makespan = max(planner.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
+      makespan = max(release_policy.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
                      for v in queues.values())
-    policy = planner.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
+    policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True, predicted_makespan_steps=makespan, **timed)
     return queues, policy, pred
   if schedule == "balanced":
-    policy = planner.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
+    policy = release_policy.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
                                    compaction=False, swap=False, steal=False, shared_queue=True,
                                    predicted=pred)
     return queues, policy, pred
   queues = scheduler.static_placement(seqs, workers)
-  policy = planner.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
+  policy = release_policy.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
                                  chain=list(workers), compaction=flex and bool(compaction),
                                  steal=False, predicted=pred, sizes=sizes, **timed)
   return queues, policy, pred

@@ -11,7 +11,7 @@ import heapq
 
 import numpy as np
 
-from flexfloor_jax.policy import planner, stepsim
+from flexfloor_jax.policy import release_policy, stepsim
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.prediction import predict, sample_scenarios
@@ -51,7 +51,7 @@ class PoolLoad:
     return bool(self.rows * self.reserve.max(initial=0.0) > self.pages)
 
   @classmethod
-  def for_pool(cls, seqs, predicted, kv, steps_per_dispatch: int = 8) -> "PoolLoad | None":
+  def for_pool(cls, seqs, predicted, kv, steps_per_dispatch: int = 8) -> PoolLoad | None:
     """A PoolLoad where the pool `kv` can bind, else None (place by lanes)."""
     if kv is None:
       return None
@@ -204,7 +204,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     release policy as at run time (it sees only the predictions)."""
     ds, ms = 0.0, []
     for L in worlds:
-      pol = planner.ReleasePolicy(enabled=enabled, floor=floor, chain=list(workers_chain),
+      pol = release_policy.ReleasePolicy(enabled=enabled, floor=floor, chain=list(workers_chain),
                                   predicted=plens, **kw)
       m = stepsim.simulate(seqs, L, queues, pol, N, B, steps_per_dispatch,
                            kv=kv(plens) if kv else None)
@@ -219,7 +219,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B, pool=load)
   ms_bal = np.zeros(len(worlds))
   for j, L in enumerate(worlds):  # the balanced schedule: full width, shared queue
-    pol = planner.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
+    pol = release_policy.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
                                 predicted=plens, shared_queue=True, compaction=False, swap=False)
     ms_bal[j] = stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch,
                                  kv=kv(plens) if kv else None)['makespan_steps']

@@ -9,14 +9,14 @@ prediction meaningful); u, v are fresh per epoch. The cap is max_new_tokens: the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import numpy as np
 
-from flexfloor_jax.policy.atomic import atomic_open
+from flexfloor_jax.io.atomic import atomic_open
+from flexfloor_jax.io.jsonl import iter_jsonl
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.jsonl import iter_jsonl
 
 # Defaults: the rollout shape of configs/mixtral.py tiny (8 workers x 4 slots, 8 prompts x 8
 # samples, max_new_tokens 256 = cap). cap = 4 x median, so only the far tail is capped. The noise
@@ -87,37 +87,6 @@ def make_seqs(spec: WorkloadSpec, epoch: int | None = None, prompt_len: int = 16
                      prompt_len=prompt_len, target_len=int(L[p, s]) if with_targets else None,
                      max_new_tokens=spec.cap))
   return out
-
-
-def static_idle(spec: WorkloadSpec, epochs=range(8), num_workers: int = DEFAULT_WORKERS,
-                slots_per_worker: int = DEFAULT_SLOTS_PER_WORKER,
-                steps_per_dispatch: int = DEFAULT_STEPS_PER_DISPATCH):
-  """Static-baseline idle_after_finish_fraction per epoch (stepsim)."""
-  from flexfloor_jax.policy import planner, scheduler, stepsim  # avoid an import cycle
-  out = []
-  for e in epochs:
-    seqs = make_seqs(spec, e)
-    q = scheduler.static_placement(seqs, list(range(num_workers)))
-    m = stepsim.simulate(seqs, None, q, planner.ReleasePolicy(enabled=False), num_workers,
-                         slots_per_worker, steps_per_dispatch)
-    out.append(m['idle_after_finish_fraction'])
-  return np.asarray(out)
-
-
-def calibrate_sigma(target: float = IDLE_TARGET, spec: WorkloadSpec | None = None,
-                    epochs=range(8), num_workers: int = DEFAULT_WORKERS,
-                    slots_per_worker: int = DEFAULT_SLOTS_PER_WORKER,
-                    grid=np.round(np.arange(0.05, 1.2001, 0.01), 3)) -> tuple[float, float]:
-  """The grid sigma whose mean static idle fraction over `epochs` is nearest `target`.
-  A grid, not bisection: with few prompts idle(sigma) is not monotone. Returns (sigma, idle)."""
-  spec = spec or WorkloadSpec()
-  best = None
-  for s in grid:
-    idle = float(static_idle(replace(spec, sigma=float(s)), epochs, num_workers,
-                             slots_per_worker).mean())
-    if best is None or abs(idle - target) < abs(best[1] - target):
-      best = (float(s), idle)
-  return best
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig, resolve_moe_backend
 from flexfloor_jax.model.moe import EPConfig, ep_moe
 from flexfloor_jax.rl import loss as loss_lib
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,10 +17,14 @@ import logging
 import os
 import re
 import shutil
-from typing import Optional
 
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from flexfloor_jax.io.atomic import atomic_write
+from flexfloor_jax.model.checkpoint import finite_flags
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
-from flexfloor_jax.policy.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ def checkpoint_dirs(config) -> list[tuple[int, str]]:
   return sorted(out, reverse=True)
 
 
-def latest_checkpoint(config) -> Optional[tuple[int, str]]:
+def latest_checkpoint(config) -> tuple[int, str] | None:
   """The newest complete checkpoint (meta.json written), not verified (see train's resume)."""
   for k, path in checkpoint_dirs(config):
     if os.path.isfile(os.path.join(path, META)):
@@ -70,7 +74,6 @@ def _state_files(state_dir: str) -> dict[str, int]:
 
 
 def save_checkpoint(config, step: int, params, opt_state, history) -> str:
-  import orbax.checkpoint as ocp
   path = os.path.abspath(os.path.join(_ckpt_root(config), f"step_{step}"))
   if os.path.exists(path):
     shutil.rmtree(path)
@@ -118,11 +121,8 @@ def _first_line(e: BaseException, limit: int = 240) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
-def nonfinite_leaf(tree) -> Optional[str]:
+def nonfinite_leaf(tree) -> str | None:
   """The path of the first array in `tree` holding a NaN or an infinity, else None."""
-  import jax
-  import jax.numpy as jnp
-  from flexfloor_jax.model.checkpoint import finite_flags
   leaves = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if jnp.issubdtype(x.dtype, jnp.inexact)]
   for (kp, _), ok in zip(leaves, finite_flags(x for _, x in leaves)):
@@ -131,9 +131,8 @@ def nonfinite_leaf(tree) -> Optional[str]:
   return None
 
 
-def load_checkpoint(path: str, params_abs, opt_abs, step: Optional[int] = None):
+def load_checkpoint(path: str, params_abs, opt_abs, step: int | None = None):
   """(params, opt_state, meta) of a verified checkpoint; DamagedCheckpoint otherwise."""
-  import orbax.checkpoint as ocp
   if step is None:
     step = int(os.path.basename(os.path.normpath(path))[len("step_"):])
   meta = read_meta(path, step)

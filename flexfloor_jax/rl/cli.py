@@ -5,7 +5,8 @@ with a "did you mean", as the rollout CLI does."""
 
 from absl import app, flags
 
-from flexfloor_jax.cli import config_loaded, define_config, emulate_cpu_devices, parse_flags
+from flexfloor_jax.config.cli import config_loaded, define_config, parse_flags
+from flexfloor_jax.runtime.backend import emulate_cpu_devices
 
 _CONFIG = define_config("configs/grpo.py", "GRPO config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,

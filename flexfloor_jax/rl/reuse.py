@@ -24,9 +24,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.rl import actor as actor_lib
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def sequence_row(prompt, response, t_max: int) -> tuple[np.ndarray, np.ndarray]:

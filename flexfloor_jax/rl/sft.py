@@ -13,11 +13,22 @@ import json
 import os
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-from flexfloor_jax import settings
-from flexfloor_jax.policy.atomic import atomic_write
+from flexfloor_jax.config import settings
+from flexfloor_jax.config.cli import fail
+from flexfloor_jax.io.atomic import atomic_write
+from flexfloor_jax.model import checkpoint as ckpt
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.model.tokenizer import ByteTokenizer
+from flexfloor_jax.rl import cli as rl_cli
 from flexfloor_jax.rl import tasks as tasks_lib
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.runtime.backend import enable_compilation_cache
 
 
 def make_examples(st, tokenizer):
@@ -49,15 +60,7 @@ def sft(config, *, progress: bool = False, step_cache=None) -> dict:
   rollout's compiled steps (train.train takes one too: GRPO from this checkpoint in the same
   process reuses them)."""
   st = config if isinstance(config, settings.Settings) else settings.load(config, "sft")
-  import jax
-  import jax.numpy as jnp
-  import optax
 
-  from flexfloor_jax import runner
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.model.config import PRESETS
-  from flexfloor_jax.tokenizer import ByteTokenizer
 
   s = st.sft
   cfg = PRESETS[st.preset].replace(dtype=st.model.dtype)
@@ -116,9 +119,7 @@ def sft(config, *, progress: bool = False, step_cache=None) -> dict:
 
 def main(argv):
   del argv
-  from flexfloor_jax.rl import cli as rl_cli
   config = rl_cli.config_value()
-  from flexfloor_jax.cli import enable_compilation_cache, fail
   try:
     st = settings.load(config, "sft")  # before jax starts
     enable_compilation_cache()

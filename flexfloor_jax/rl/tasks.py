@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib
 import json
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import numpy as np
+
+from flexfloor_jax.io.atomic import atomic_write
 
 TASKS = ("sort", "add", "reverse", "count")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -70,7 +72,6 @@ def make_prompts(tasks, num_prompts: int, seed: int, size: int = 6) -> list[dict
 def write_prompts_jsonl(rows: Iterable[dict], path: str) -> None:
   """The rows as rollout.prompts JSONL ({"id", "prompt"} plus task/answer, which the runner
   ignores)."""
-  from flexfloor_jax.policy.atomic import atomic_write
   atomic_write(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -109,7 +110,7 @@ def score_responses(reward_fn: Callable[[dict, str], float], prompts_by_id: dict
                   np.float64)
 
 
-def load_reward_fn(spec: Optional[str]) -> Callable[[dict, str], float]:
+def load_reward_fn(spec: str | None) -> Callable[[dict, str], float]:
   """'' -> the built-in reward; 'package.module:function' -> that callable."""
   if not spec:
     return reward

@@ -12,22 +12,38 @@ Checkpoints: rl/checkpoints.py.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import math
 import os
 import time
-from typing import Optional
 
+import jax
 import numpy as np
+import optax
 
-from flexfloor_jax import settings
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax.config import settings
+from flexfloor_jax.config.cli import fail
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.io.atomic import atomic_write
+from flexfloor_jax.model import checkpoint as ckpt
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import PRESETS, model_identity, resolve_moe_backend
+from flexfloor_jax.model.tokenizer import load_tokenizer
 from flexfloor_jax.policy.accounting import jsonable
-from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
+from flexfloor_jax.rl import actor as actor_lib
 from flexfloor_jax.rl import checkpoints as ckpts
+from flexfloor_jax.rl import cli as rl_cli
 from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.rl.checkpoints import TrainError
+from flexfloor_jax.rl.loss import group_advantages
+from flexfloor_jax.rl.reuse import ReleasedScorer, sequence_row
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.runtime import mesh as mesh_lib
+from flexfloor_jax.runtime.backend import enable_compilation_cache
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +98,6 @@ def plot_metrics(rows: list[dict], path: str) -> None:
   for a in ax:
     a.set_xlabel("step")
   fig.tight_layout()
-  import io
   buf = io.BytesIO()
   fig.savefig(buf, format="png", dpi=90)
   plt.close(fig)
@@ -99,8 +114,6 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
   their outputs reach no log-prob)."""
   # Imported here: both modules import jax, which must not start before the CLI has set the
   # emulated device count and checked the config.
-  from flexfloor_jax.rl.loss import group_advantages
-  from flexfloor_jax.rl.reuse import sequence_row
   b = len(responses)
   bp = -(-b // num_workers) * num_workers
   toks = np.zeros((bp, t_max), np.int32)
@@ -140,7 +153,7 @@ def _check_finite(name: str, values, resp, step: int) -> None:
                      "trained on or saved")
 
 
-def train(config, *, stop_after: Optional[int] = None, progress: bool = False,
+def train(config, *, stop_after: int | None = None, progress: bool = False,
           step_cache=None) -> list[dict]:
   """Run (or resume) GRPO as the config says; returns the metrics rows of this output_dir.
   `stop_after`: return after that step (tests: an in-process interruption).
@@ -152,17 +165,15 @@ def train(config, *, stop_after: Optional[int] = None, progress: bool = False,
   settings.load(config, "train") checks every field first, before the heavy imports (a bad
   field fails in well under a second with ConfigError)."""
   st = settings.load(config, "train")
-  from flexfloor_jax.policy import outputs
   try:
-    outputs.check_dir(st.train.output_dir, "output_dir")
-  except outputs.OutputDirError as e:
+    output_dir.check_dir(st.train.output_dir, "output_dir")
+  except output_dir.OutputDirError as e:
     raise TrainError(str(e)) from None
-  import jax
   lock = None
   if jax.process_index() == 0:  # the process that writes history and metrics
     try:
-      lock = outputs.acquire(st.train.output_dir, "output_dir")
-    except outputs.OutputDirError as e:
+      lock = output_dir.acquire(st.train.output_dir, "output_dir")
+    except output_dir.OutputDirError as e:
       raise TrainError(str(e)) from None
   try:
     return _train(config, st, stop_after=stop_after, progress=progress, step_cache=step_cache)
@@ -179,20 +190,10 @@ def task_prompts(st: settings.Settings):
   return (*tasks_lib.prompt_set(st.rl, path), path)
 
 
-def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress: bool,
+def _train(config, st: settings.Settings, *, stop_after: int | None, progress: bool,
            step_cache) -> list[dict]:
   """The loop; `config` itself only for the checkpoints (rl/checkpoints.py)."""
-  import jax
-  import optax
 
-  from flexfloor_jax import mesh as mesh_lib
-  from flexfloor_jax import runner
-  from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.model.config import PRESETS, model_identity, resolve_moe_backend
-  from flexfloor_jax.rl import actor as actor_lib
-  from flexfloor_jax.tokenizer import load_tokenizer
 
   out, rl = st.train.output_dir, st.rl
   reward_fn, rows, by_id, prompts_path = task_prompts(st)
@@ -264,7 +265,6 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress
   scorer = None
   if (rl.released_logprobs and not rl.routing_replay and st.schedule == "flexfloor"
       and jax.process_count() == 1):
-    from flexfloor_jax.rl.reuse import ReleasedScorer
     scorer = ReleasedScorer(spec, devices, jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), t_max)
     if st.rollout.wait_compiles:  # reproducible timing (tests, benchmarks)
@@ -377,9 +377,7 @@ def _train(config, st: settings.Settings, *, stop_after: Optional[int], progress
 
 def main(argv):
   del argv
-  from flexfloor_jax.rl import cli as rl_cli
   config = rl_cli.config_value()
-  from flexfloor_jax.cli import enable_compilation_cache, fail
   try:
     settings.load(config, "train")  # before jax starts
     enable_compilation_cache()

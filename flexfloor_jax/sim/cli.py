@@ -8,9 +8,12 @@ import json
 import os
 import sys
 
+from absl import flags
+
+from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.policy import workload
-from flexfloor_jax.policy.atomic import atomic_write
 from flexfloor_jax.policy.floor import FloorError
+from flexfloor_jax.sim import measured_hw
 from flexfloor_jax.sim.cluster import simulate_cluster
 from flexfloor_jax.sim.plot import plot_cluster
 from flexfloor_jax.sim.presets import GB, GIB, HARDWARE, MODELS
@@ -43,7 +46,6 @@ def format_cluster_table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
   """Run what the flags (`define_flags`) ask for; 0 on success, 1 when a calibration misses its
   target; bad input prints one `error:` line and exits 2."""
-  from absl import flags  # absl imports no jax
   del argv
   F = flags.FLAGS
   if F.calibrate or F.predict:
@@ -66,7 +68,6 @@ def main(argv=None) -> int:
     print(f"error: --model must be one of {sorted(MODELS)}, got {F.model!r}", file=sys.stderr)
     sys.exit(2)
   if F.hardware.startswith("measured:"):  # a step table of scripts/device_check.sh
-    from flexfloor_jax.policy import measured_hw
     try:
       HARDWARE[F.hardware] = measured_hw.load_hardware(F.hardware[len("measured:"):], HARDWARE,
                                                        MODELS[F.model])
@@ -132,7 +133,6 @@ def main(argv=None) -> int:
 
 
 def define_flags():
-  from absl import flags
   flags.DEFINE_string("model", "mixtral-8x7b", f"model preset: {', '.join(MODELS)}")
   flags.DEFINE_string("hardware", "tpu-v5p", f"hardware preset: {', '.join(HARDWARE)}")
   flags.DEFINE_string("devices", "8,64,256,1024", "comma-separated device counts")

@@ -12,18 +12,21 @@ sequences between groups is not modelled.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import sys
-from typing import Optional
 
 import numpy as np
 
-from flexfloor_jax.policy import plan, planner, prediction, reuse, scheduler, workload
-from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.policy import plan, prediction, release_policy, scheduler, workload
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.floor import floor_workers, release_sizes as allowed_sizes
+from flexfloor_jax.policy.floor import floor_workers
+from flexfloor_jax.policy.floor import release_sizes as allowed_sizes
+from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.policy.pages import PagePool, equal_budget_pages
+from flexfloor_jax.sim import reuse
 from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
 from flexfloor_jax.sim.presets import Hardware, Model
 from flexfloor_jax.sim.replay import replay
@@ -125,14 +128,14 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
 
   def finishes(split):
     """[scenario, group] list-scheduled finish (lane-steps) of a split; queues in split order."""
-    return np.array([[planner.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
+    return np.array([[release_policy.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
                       for q in split] for L in worlds])
 
   bal_split = [bal[g] for g in range(groups)]
   budget = finishes(bal_split).max(axis=1).mean() * (1.0 + slack)
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
   lo = float(pred.sum()) / (groups * lanes)
-  hi = max(planner.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
+  hi = max(release_policy.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
   best = (float(finishes(bal_split).sum(axis=1).mean()), bal_split)  # balanced: always on time
   for cap in np.linspace(lo, max(lo, hi) * (1.0 + slack), num_candidates):
     packed = scheduler._pack(order, pred, list(range(groups)), lanes, float(cap))
@@ -163,7 +166,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      seqs_per_device: int = 8, samples_per_prompt: int = 8,
                      length_scale: float = 8.0, prompt_len: int = 256, epochs: int = 3,
                      steps_per_dispatch: int = 0, seed: int = 0,
-                     processes: Optional[int] = None, release_sizes: str = "",
+                     processes: int | None = None, release_sizes: str = "",
                      makespan_slack: float = 0.05, kv: str = "slots", page_size: int = 16,
                      max_seqs: int = 0, kv_margin: float = 0.0) -> dict:
   """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
@@ -230,8 +233,6 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                    inner_slack, ctx, inner_placement) + paged)
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
-    import concurrent.futures
-    import multiprocessing
     mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp) as pool:
       results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))

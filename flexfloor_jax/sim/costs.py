@@ -27,12 +27,12 @@ accelerator, where fewer workers holding more experts each are slower per step).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import numpy as np
 
 from flexfloor_jax.policy import accounting
 from flexfloor_jax.sim.presets import Hardware, Model
+
 
 class RooflineCost:
   """Seconds of one SPMD step from the state of the group (the roofline of the module doc)."""
@@ -41,7 +41,7 @@ class RooflineCost:
     self.model, self.hw = model, hw
 
   def step_seconds(self, experts_held: np.ndarray, tokens: np.ndarray, ctx: np.ndarray,
-                   attn_ctx: Optional[np.ndarray] = None) -> float:
+                   attn_ctx: np.ndarray | None = None) -> float:
     """experts_held, tokens (new tokens this step), ctx (cached tokens read): per active worker.
     attn_ctx: token x context products for attention FLOPs (default ctx: each new token attends
     over its own sequence's cache). A step with attn_ctx given is a prefill, never looked up in a

@@ -3,7 +3,7 @@ and FlexFloor over static, against the device count."""
 
 from __future__ import annotations
 
-from flexfloor_jax.policy.atomic import atomic_open
+from flexfloor_jax.io.atomic import atomic_open
 
 
 def _atomic_savefig(fig, path: str):

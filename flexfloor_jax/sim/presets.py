@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from flexfloor_jax.model import param_count
 from flexfloor_jax.model.config import PRESETS, ModelConfig
-from flexfloor_jax.policy import footprint
 
 GB = 1e9
 GIB = 2.0**30
@@ -69,7 +69,7 @@ class Model:
   source: str = ""
 
   @classmethod
-  def from_config(cls, name: str, cfg: ModelConfig, source: str = "") -> "Model":
+  def from_config(cls, name: str, cfg: ModelConfig, source: str = "") -> Model:
     """The engine's model config (`model.config.ModelConfig`) as a simulator model."""
     return cls(name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k,
@@ -78,7 +78,7 @@ class Model:
   @property
   def expert_params(self) -> int:
     """One expert, all layers (w1, w3, w2)."""
-    return footprint.expert_params(self.hidden, self.ffn, self.layers)
+    return param_count.expert_params(self.hidden, self.ffn, self.layers)
 
   @property
   def expert_bytes(self) -> int:
@@ -86,7 +86,7 @@ class Model:
 
   @property
   def nonexpert_params(self) -> int:
-    return footprint.nonexpert_params(self.vocab, self.hidden, self.layers, self.heads,
+    return param_count.nonexpert_params(self.vocab, self.hidden, self.layers, self.heads,
                                       self.kv_heads, self.head_dim, self.experts)
 
   @property

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from types import SimpleNamespace
 
-from flexfloor_jax.policy import accounting, footprint
-from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.policy import accounting
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import preallocated_slots
+from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.rollout import kv_pool
 from flexfloor_jax.sim.costs import LinearCost, fit_cpu
 from flexfloor_jax.sim.presets import Model
 from flexfloor_jax.sim.replay import replay
@@ -25,7 +28,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
                     history, schedule: str, placement: str, compaction: bool, num_workers: int,
                     slots_per_worker: int, floor: int, steps_per_dispatch: int, num_experts: int,
                     timeline: accounting.Timeline, summary: dict,
-                    kv: Optional[dict] = None) -> dict:
+                    kv: dict | None = None) -> dict:
   """`kv`: paged KV, the run's pool (kv_pages, page_size, max_seqs_per_worker, kv_margin,
   max_seq_len; slots_per_worker is then its max_seqs); None: fixed slots (no 'kv' key)."""
   keep = ("device_steps", "tokens_per_device_step", "generation_wall_s", "generated_tokens",
@@ -35,7 +38,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               compaction=bool(compaction), num_workers=num_workers,
               slots_per_worker=slots_per_worker, floor=floor,
               steps_per_dispatch=steps_per_dispatch, num_experts=int(num_experts),
-              expert_slots=footprint.preallocated_slots(schedule, num_experts, num_workers,
+              expert_slots=preallocated_slots(schedule, num_experts, num_workers,
                                                         floor),
               seqs=[dataclasses.asdict(s) for s in seqs],
               lengths={str(k): int(v) for k, v in lengths.items()},
@@ -61,21 +64,19 @@ def load_run_record(path: str) -> dict:
   return rec
 
 
-def kv_factory(spec: Optional[dict], num_workers: int):
+def kv_factory(spec: dict | None, num_workers: int):
   """A run record's paged pool -> (predicted lengths) -> a fresh PagePool, built as the runner
   builds it (kv_pool.make_pool); None for a fixed-slot record."""
   if not spec:
     return None
-  from types import SimpleNamespace
 
-  from flexfloor_jax.policy import kv_pool
   r = SimpleNamespace(kv_pages=spec["kv_pages"], page_size=spec["page_size"],
                       max_seqs=spec["max_seqs_per_worker"], kv_margin=spec["kv_margin"],
                       slots_per_worker=spec["max_seqs_per_worker"])
   return kv_pool.pool_factory(r, num_workers, spec["max_seq_len"])
 
 
-def replay_record(rec: dict, cost=None, model: Optional[Model] = None):
+def replay_record(rec: dict, cost=None, model: Model | None = None):
   seqs = [Seq(**s) for s in rec["seqs"]]
   lengths = {int(k): v for k, v in rec["lengths"].items()}
   hist = LengthHistory(rec["history"], rec.get("step_seconds"))

@@ -10,13 +10,14 @@ rollouts).
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import numpy as np
 
-from flexfloor_jax.policy import controller, footprint, plan, stepsim
+from flexfloor_jax.policy import controller, plan, stepsim
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.placement import ExpertPlacement
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.policy.floor import preallocated_slots
 from flexfloor_jax.sim.costs import LinearCost
 from flexfloor_jax.sim.presets import Model
 
@@ -113,15 +114,15 @@ class CostExecutor(stepsim.SimExecutor):
     return stats
 
 
-def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, schedule: str,
+def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule: str,
            num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
-           model: Optional[Model] = None, steps_per_dispatch: int = 8, placement: str = "auto",
+           model: Model | None = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0,
-           num_experts: Optional[int] = None, sizes=None, makespan_slack: float = 0.05,
+           num_experts: int | None = None, sizes=None, makespan_slack: float = 0.05,
            policy_cost=None, step_cost: str = "measured", kv=None):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
-  (`footprint.preallocated_slots`: what the runner preallocates).
+  (`preallocated_slots`: what the runner preallocates).
   `sizes`: the run's allowed active-group sizes (summary.json `release_sizes`; None = all).
   `policy_cost`: the step cost model the release policy decides on (time-aware floor); None = as
   the runner decides with `step_cost` (summary.json's): 'measured' = the step times kept in
@@ -135,7 +136,7 @@ def replay(seqs: list[Seq], lengths: Optional[Mapping[int, int]], history, sched
       epoch=epoch, sizes=tuple(sizes) if sizes else None, makespan_slack=makespan_slack,
       cost=policy_cost, step_cost=step_cost, kv=kv)
   E = model.experts if model is not None else (num_experts or 8)
-  slots = footprint.preallocated_slots(schedule, E, num_workers, floor)
+  slots = preallocated_slots(schedule, E, num_workers, floor)
   pl = ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,

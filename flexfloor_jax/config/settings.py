@@ -16,16 +16,17 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
-from flexfloor_jax.config_reader import DTYPES, EXCHANGES, ConfigError, Reader  # noqa: F401
+from flexfloor_jax.config.reader import DTYPES, EXCHANGES, ConfigError, Reader  # noqa: F401
 from flexfloor_jax.model.config import ATTENTION_BACKENDS, MOE_BACKENDS, PRESETS
+from flexfloor_jax.model.tokenizer import ByteTokenizer
 from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.rl import tasks as tasks_lib
-from flexfloor_jax.tokenizer import ByteTokenizer
-
+from flexfloor_jax.sim.presets import HARDWARE
 
 # ----------------------------------------------------------------------------- shared sections
 
@@ -242,7 +243,6 @@ class TrainSettings:
 
 
 def _bench(c, parts: dict) -> BenchSettings:
-  from flexfloor_jax.sim.presets import HARDWARE
   r = Reader(c, "")
   return BenchSettings(output_dir=r.text("output_dir", nonempty=True), epochs=r.int("epochs"),
                        repeats=r.int("repeats"), release_only=r.flag("release_only"),
@@ -319,12 +319,12 @@ class Settings:
   workload: WorkloadSettings
   sampling: SamplingSettings
   scheduler: SchedulerSettings
-  bench: Optional[BenchSettings] = None
-  rl: Optional[RLSettings] = None
-  sft: Optional[SFTSettings] = None
-  train: Optional[TrainSettings] = None
+  bench: BenchSettings | None = None
+  rl: RLSettings | None = None
+  sft: SFTSettings | None = None
+  train: TrainSettings | None = None
 
-  def replace(self, **changes) -> "Settings":
+  def replace(self, **changes) -> Settings:
     """A copy with fields the program sets (not the user's: they are not checked again), e.g.
     replace(schedule="static", rollout=dict(epoch=3)): a dict updates that section."""
     return dataclasses.replace(self, **{

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from flexfloor_jax import mesh as mesh_lib
 from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def _row_axis_of(name: str) -> int:

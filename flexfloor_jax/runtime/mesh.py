@@ -8,16 +8,18 @@ layouts comes from the helpers here (`logical_spec`, `batch_spec`, `replicated_s
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 EP_AXIS = "ep"
 
 # Logical axis -> mesh axis (None = replicated). DP attention + EP: sequences and expert slots are
 # split over the workers, everything else is replicated.
-LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
+LOGICAL_AXIS_RULES: dict[str, str | None] = {
     "batch": EP_AXIS,  # decode slots, KV cache rows, prompts
     "expert": EP_AXIS,  # expert slots
     "layer": None,
@@ -30,11 +32,11 @@ LOGICAL_AXIS_RULES: dict[str, Optional[str]] = {
 }
 
 
-def mesh_axis(logical: str) -> Optional[str]:
+def mesh_axis(logical: str) -> str | None:
   return LOGICAL_AXIS_RULES[logical]
 
 
-def logical_spec(*logical: Optional[str]) -> P:
+def logical_spec(*logical: str | None) -> P:
   """PartitionSpec for an array whose dims carry these logical names (None = not sharded)."""
   return P(*(None if name is None else mesh_axis(name) for name in logical))
 
@@ -54,7 +56,7 @@ def batch_spec(ndim: int) -> P:
   return logical_spec("batch", *([None] * (ndim - 1)))
 
 
-def param_spec(*logical: Optional[str]) -> P:
+def param_spec(*logical: str | None) -> P:
   """PartitionSpec of a parameter with these logical axes, up to its last sharded dim: P() for a
   replicated weight, P(None, 'ep') for an [L, E, ...] expert stack (the form checkpoints store)."""
   spec = list(logical_spec(*logical))
@@ -84,7 +86,7 @@ def make_ep_mesh(devices: Sequence[jax.Device]) -> Mesh:
                        devices=list(devices))
 
 
-def sharding(mesh: Mesh, *logical: Optional[str]) -> NamedSharding:
+def sharding(mesh: Mesh, *logical: str | None) -> NamedSharding:
   return NamedSharding(mesh, logical_spec(*logical))
 
 

@@ -30,6 +30,11 @@ import socket
 import time
 import uuid
 
+try:
+  import fcntl
+except ImportError:  # not POSIX: the pid check alone
+  fcntl = None
+
 LOCK_NAME = ".lock"
 STAGING = ".staging"
 PUBLISHED = ".published"
@@ -189,9 +194,7 @@ def acquire(path: str, field: str = "output_dir") -> DirLock:
 
 def _flock(fd: int) -> bool:
   """Exclusive, non-blocking; True when locked (or when the filesystem has no flock at all)."""
-  try:
-    import fcntl
-  except ImportError:  # not POSIX: the pid check alone
+  if fcntl is None:
     return True
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

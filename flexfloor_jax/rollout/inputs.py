@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
 
-from flexfloor_jax.policy import outputs, workload
-from flexfloor_jax.policy.history import HistoryError, LengthHistory
+import jax
+
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax.config import settings
+from flexfloor_jax.engine import memory
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.io.jsonl import iter_jsonl
+from flexfloor_jax.model import checkpoint as ckpt
+from flexfloor_jax.model.config import PRESETS, model_identity
+from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.jsonl import iter_jsonl
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
+from flexfloor_jax.policy.pages import pages_for
+from flexfloor_jax.rollout import kv_pool
 
 BUILTIN_PROMPTS = (
     "Sort the digits 3 1 4 1 5 9 2 6:", "Add 27 and 58:", "Reverse the word 'expert':",
@@ -31,7 +40,7 @@ class RolloutError(ValueError):
 class Prompt:
   prompt_id: str
   tokens: list[int]
-  text: Optional[str] = None
+  text: str | None = None
 
 
 def _check(cond: bool, msg: str):
@@ -39,7 +48,7 @@ def _check(cond: bool, msg: str):
     raise RolloutError(msg)
 
 
-def load_prompts(config, tokenizer, eos_or_bos: Optional[int]) -> list[Prompt]:
+def load_prompts(config, tokenizer, eos_or_bos: int | None) -> list[Prompt]:
   r = config.rollout
   if not r.prompts:
     _check(tokenizer is not None, "rollout.prompts is empty (built-in prompts) but the model has "
@@ -87,7 +96,6 @@ def load_history(config, model_cfg) -> LengthHistory:
   """The length history for this run, checked: lengths in [1, rollout.max_new_tokens], recorded
   for this model (another model's history: a warning and an empty one). The rollout CLI calls it
   before jax starts, `run` when not handed one: the same checks either way."""
-  from flexfloor_jax.model.config import model_identity
   try:
     return LengthHistory.load(history_file(config),
                                         max_new_tokens=config.rollout.max_new_tokens,
@@ -102,17 +110,17 @@ def load_history(config, model_cfg) -> LengthHistory:
 def check_output_dir(config) -> None:
   """rollout.output_dir usable (a directory, creatable, writable): before jax starts."""
   try:
-    outputs.check_dir(config.rollout.output_dir, "rollout.output_dir")
-  except outputs.OutputDirError as e:
+    output_dir.check_dir(config.rollout.output_dir, "rollout.output_dir")
+  except output_dir.OutputDirError as e:
     raise RolloutError(str(e)) from None
 
 
-def lock_output_dir(config) -> outputs.DirLock:
-  """rollout.output_dir locked for this run (policy/outputs.py): RolloutError naming the holder
+def lock_output_dir(config) -> output_dir.DirLock:
+  """rollout.output_dir locked for this run (policy/output_dir.py): RolloutError naming the holder
   when another run has it."""
   try:
-    return outputs.acquire(config.rollout.output_dir, "rollout.output_dir")
-  except outputs.OutputDirError as e:
+    return output_dir.acquire(config.rollout.output_dir, "rollout.output_dir")
+  except output_dir.OutputDirError as e:
     raise RolloutError(str(e)) from None
 
 
@@ -180,7 +188,6 @@ def resolve_max_seq_len(config, prompts: list[Prompt], model_cfg) -> int:
 def memory_budget_bytes(config, devices) -> int:
   if config.mesh.device_memory_gb > 0:
     return int(config.mesh.device_memory_gb * 2**30)
-  import jax
   local = [d for d in devices if d.process_index == jax.process_index()] or list(devices)
   stats = local[0].memory_stats() or {}
   if "bytes_limit" in stats:
@@ -211,8 +218,6 @@ def check_prompts(config, prompts: list[Prompt], model_cfg, seq_len: int) -> Non
 def model_config(config):
   """The model's shape: a checkpoint's (its inventory only, no tensor read) or the preset's, in
   model.dtype. RolloutError names model.checkpoint when the checkpoint cannot be used."""
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model.config import PRESETS
   if config.model.checkpoint:
     try:
       cfg = ckpt.inspect_checkpoint(config.model.checkpoint)
@@ -221,3 +226,45 @@ def model_config(config):
   else:
     cfg = PRESETS[config.preset]
   return cfg.replace(dtype=config.model.dtype)
+
+
+def prepare_rollout(config):
+  """The rollout's settings (settings.load: every field) and every other check that needs no JAX
+  (rollout.output_dir included: a file, read-only or not creatable), then the length history
+  loaded against this model (load_history, which runner.run applies too when called
+  without one): (settings, history). Raises settings.ConfigError or RolloutError."""
+  st = settings.load(config)
+  model_cfg = model_config(st)
+  r = st.rollout
+  if not st.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
+    raise RolloutError(
+        f"rollout.max_prompt_len={r.max_prompt_len} exceeds the model's max_position_embeddings="
+        f"{model_cfg.max_position_embeddings}, the longest KV cache (model.max_seq_len) it allows")
+  if r.prompts and os.path.isfile(r.prompts):
+    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
+    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
+    try:
+      for _ in iter_jsonl(r.prompts):
+        pass
+    except ValueError as e:
+      raise RolloutError(f"rollout.prompts: {e}") from None
+  check_output_dir(st)
+  return st, load_history(st, model_cfg)
+
+
+def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> memory.FloorTerms:
+  """The floor's terms of a config; rollout.kv='paged': KV = the page pool + the state of its
+  max_seqs rows, and a sequence row in flight = a full sequence's pages + its state."""
+  r = config.rollout
+  seq = max_seq_len or config.model.max_seq_len
+  t = memory.floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)
+  if getattr(r, "kv", "slots") != "paged":
+    return t
+  per_token = (t.kv - engine_lib.state_bytes_per_worker(
+      model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)) // (
+          r.slots_per_worker * seq)
+  state = engine_lib.state_bytes_per_worker(model_cfg, r.max_seqs, seq, r.max_new_tokens,
+                                            r.record_routes)
+  pool = kv_pool.pages_per_worker(r, seq) * r.page_size * per_token
+  row = pages_for(seq, r.page_size) * r.page_size * per_token + state // r.max_seqs
+  return dataclasses.replace(t, kv=pool + state, workspace=2 * t.expert + 2 * row)

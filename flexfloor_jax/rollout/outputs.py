@@ -1,5 +1,5 @@
 """A rollout's outputs: responses.jsonl, summary.json, timeline.png and the length history, checked
-(finite log-probs) and published as one set (policy/outputs.py), or one OutputError naming the file."""
+(finite log-probs) and published as one set (policy/output_dir.py), or one OutputError naming the file."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import json
 import math
 import os
 
-from flexfloor_jax.policy import accounting, outputs
-from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.policy import accounting
 from flexfloor_jax.policy.accounting import jsonable
-from flexfloor_jax.rollout_inputs import RolloutError
+from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.rollout.inputs import RolloutError
 
 
 class OutputError(RolloutError):
@@ -42,9 +43,9 @@ def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, ti
                     history: LengthHistory, history_path: str) -> str:
   """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
   timeline.png and, when it lives in `out`, history.json, published as one set; returns the
-  set's directory. Raises outputs.OutputWriteError naming the file. A history file elsewhere
+  set's directory. Raises output_dir.OutputWriteError naming the file. A history file elsewhere
   (scheduler.history_path) is replaced on its own after the set is published."""
-  s = outputs.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS)
+  s = output_dir.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS)
   s.write("responses.jsonl",
           "".join(json.dumps(jsonable(x), allow_nan=False) + "\n" for x in responses))
   s.write("summary.json", json.dumps(dict(jsonable(summary, nonfinite_to_none=True),
@@ -60,8 +61,8 @@ def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, ti
     try:
       history.save(history_path)
     except OSError as e:
-      raise outputs.OutputWriteError(
+      raise output_dir.OutputWriteError(
           f"scheduler.history_path: writing {history_path} failed: "
-          f"{outputs.os_error_text(e)} (the outputs were published in {final})", final,
+          f"{output_dir.os_error_text(e)} (the outputs were published in {final})", final,
           tuple(s.written)) from None
   return final

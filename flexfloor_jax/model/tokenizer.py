@@ -4,16 +4,19 @@ checkpoint's tokenizer.json (`tokenizers` library, local file only, never the hu
 from __future__ import annotations
 
 import os
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
+
+from tokenizers import Tokenizer as _Tok
 
 from flexfloor_jax.model.config import BYTE_VOCAB
 
 
 class Tokenizer(Protocol):
   vocab_size: int
-  bos_id: Optional[int]
-  eos_id: Optional[int]
-  pad_id: Optional[int]
+  bos_id: int | None
+  eos_id: int | None
+  pad_id: int | None
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
@@ -42,8 +45,7 @@ class HFTokenizer:
   """A checkpoint directory's tokenizer.json. bos/eos come from the model config (config.json is
   what the model was trained with); pad is the tokenizer's if it defines one."""
 
-  def __init__(self, path: str, bos_id: Optional[int] = None, eos_id: Optional[int] = None):
-    from tokenizers import Tokenizer as _Tok
+  def __init__(self, path: str, bos_id: int | None = None, eos_id: int | None = None):
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     self._tok = _Tok.from_file(file)
@@ -63,7 +65,7 @@ class HFTokenizer:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
 
-def load_tokenizer(checkpoint_dir: str, cfg) -> Optional[Tokenizer]:
+def load_tokenizer(checkpoint_dir: str, cfg) -> Tokenizer | None:
   """tokenizer.json in the checkpoint dir -> HFTokenizer; the byte vocabulary (259) ->
   ByteTokenizer; otherwise None (prompts must then be token ids)."""
   if checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, "tokenizer.json")):

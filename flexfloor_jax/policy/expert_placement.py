@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexfloor_jax.policy import footprint
-from flexfloor_jax.policy.floor import FloorError
+from flexfloor_jax.policy.floor import FloorError, expert_slots
 
 
 @dataclass
@@ -29,10 +28,10 @@ class ExpertPlacement:
 
   @classmethod
   def initial(cls, num_experts: int, workers: list[int], slots: int,
-              num_workers: int | None = None) -> 'ExpertPlacement':
+              num_workers: int | None = None) -> ExpertPlacement:
     """Contiguous blocks of ceil(E/n) experts per worker, in the order of `workers`."""
     n = len(workers)
-    per = footprint.expert_slots(num_experts, n)
+    per = expert_slots(num_experts, n)
     if per > slots:
       raise FloorError(f'{num_experts} experts need {per} slots on each of {n} workers; '
                        f'only {slots} are preallocated')
@@ -61,7 +60,7 @@ class ExpertPlacement:
       out[e] = pos[w] * self.slots + s
     return out
 
-  def after_release(self, released: list[int], survivors: list[int]) -> 'ExpertPlacement':
+  def after_release(self, released: list[int], survivors: list[int]) -> ExpertPlacement:
     """Move only the replicas that lived on released workers, each into an empty slot of the
     survivor that holds the fewest experts (ties: first in `survivors`); all others stay put."""
     gone = set(released)
@@ -82,7 +81,7 @@ class ExpertPlacement:
       reps[e][i] = (int(w), s)
     return ExpertPlacement(num_workers=self.num_workers, slots=self.slots, replicas=reps)
 
-  def moves_since(self, old: 'ExpertPlacement') -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
+  def moves_since(self, old: ExpertPlacement) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
     """(expert, (src worker, slot), (dst worker, slot)) of replicas that moved."""
     return [(e, a, b) for e in range(self.num_experts)
             for a, b in zip(old.replicas[e], self.replicas[e]) if a != b]

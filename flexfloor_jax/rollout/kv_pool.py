@@ -4,7 +4,7 @@ the pool's fields of summary.json. Host only: no JAX."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from flexfloor_jax.policy.pages import PagePool, equal_budget_pages, pages_for
 
@@ -27,7 +27,7 @@ def pages_per_worker(r, max_seq_len: int) -> int:
 
 
 def make_pool(r, num_workers: int, max_seq_len: int,
-              predicted: Optional[Mapping[int, float]] = None) -> PagePool:
+              predicted: Mapping[int, float] | None = None) -> PagePool:
   """A fresh pool for `num_workers` workers: rollout.max_seqs rows each, page tables of
   max_seq_len in pages, admission by `predicted` response lengths with rollout.kv_margin."""
   return PagePool(num_workers, pages_per_worker(r, max_seq_len), r.page_size, r.max_seqs,

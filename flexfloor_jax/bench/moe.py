@@ -1,4 +1,4 @@
-"""`python -m flexfloor_jax.moe_bench`: the whole expert-parallel MoE layer against the work of
+"""`python -m flexfloor_jax.bench.moe`: the whole expert-parallel MoE layer against the work of
 the rows it actually routes.
 
 The reference is one dense SwiGLU (x @ w1, x @ w3, @ w2) over exactly the routed token copies
@@ -12,7 +12,18 @@ counts what each exchange puts on the interconnect for this routing.
 
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
+
+from flexfloor_jax import engine
+from flexfloor_jax.model.moe import EPConfig, _exchange_capacities, ep_moe
+from flexfloor_jax.model.transformer import route
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.policy.floor import expert_slots
+from flexfloor_jax.runtime import mesh as mesh_lib
+from flexfloor_jax.runtime.backend import emulate_cpu_devices
 
 _DEVICES = flags.DEFINE_integer("devices", 8, "Emulated CPU devices (= EP workers).")
 _TOKENS = flags.DEFINE_integer("tokens_per_worker", 512, "Tokens per worker.")
@@ -29,16 +40,8 @@ _BUCKETS = flags.DEFINE_list("capacity_buckets", ["8", "4", "2"],
 
 def main(argv):
   del argv
-  from flexfloor_jax.cli import emulate_cpu_devices
   emulate_cpu_devices(_DEVICES.value)
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
 
-  from flexfloor_jax import engine, mesh as mesh_lib
-  from flexfloor_jax.model.moe import EPConfig, ep_moe
-  from flexfloor_jax.policy import footprint
-  from flexfloor_jax.policy.placement import ExpertPlacement
 
   n, t, d, f, e, k = (_DEVICES.value, _TOKENS.value, _HIDDEN.value, _FFN.value, _EXPERTS.value,
                       _TOPK.value)
@@ -49,7 +52,7 @@ def main(argv):
   w3 = 0.05 * jax.random.normal(keys[3], (e, d, f), jnp.float32)
   w2 = 0.05 * jax.random.normal(keys[4], (e, f, d), jnp.float32)
   mesh = mesh_lib.make_ep_mesh(jax.devices()[:n])
-  slots = footprint.expert_slots(e, n)
+  slots = expert_slots(e, n)
   pl = ExpertPlacement.initial(e, list(range(n)), slots)
   ex = engine.slot_layout({"w1": w1[None], "w3": w3[None], "w2": w2[None]}, pl.slot_expert(),
                           mesh_lib.sharding(mesh, "layer", "expert", None, None))
@@ -124,11 +127,7 @@ def _print_exchange_bytes(x, router, e2s, n, t, k, slots, buckets):
     ragged: out sum_j c[w, j]*(D*b + 4) + back sum_i c[i, w]*D*b (the rows it received return)
       + N*4 (its counts, gathered by every worker); rows to itself included likewise.
   The ragged figures are what the native ragged_all_to_all moves, not the CPU reference."""
-  import jax
-  import numpy as np
 
-  from flexfloor_jax.model.moe import _exchange_capacities
-  from flexfloor_jax.model.transformer import route
   d, b = x.shape[1], x.dtype.itemsize
   experts = np.asarray(jax.jit(lambda x, r: route(x, r, k)[2])(x, router))
   dest = e2s[experts].reshape(n, t * k) // slots

@@ -4,7 +4,7 @@ responses) and `publish_outputs`; `run` chains them.
 
 Order matters for bad input: everything the user gave (config, prompts, lengths file, checkpoint
 inventory, memory budget, length history, output directory) is validated, and the output directory
-locked, before anything is compiled; the outputs are published as one set (policy/outputs.py), so
+locked, before anything is compiled; the outputs are published as one set (policy/output_dir.py), so
 a failed or killed run leaves the previous set, never a mix.
 """
 
@@ -12,25 +12,45 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
-from flexfloor_jax import settings
-from flexfloor_jax.policy import (compile_plan, costs, footprint, kv_pool, outputs, plan,
-                                  prediction)
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax.config import settings
+from flexfloor_jax.engine.sampling import SamplingParams, prompt_hash
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.model import checkpoint as ckpt
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.model.config import resolve_moe_backend
+from flexfloor_jax.model.tokenizer import load_tokenizer
+from flexfloor_jax.policy import compile_plan, controller, costs, plan, prediction
 from flexfloor_jax.policy.accounting import decode_step_medians, jsonable, release_latency_ratios
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.floor import FloorError, release_sizes
+from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.policy.floor import FloorError, preallocated_slots, release_sizes
 from flexfloor_jax.policy.history import LengthHistory
-from flexfloor_jax.policy.placement import ExpertPlacement
 from flexfloor_jax.policy.ready_floor import ReadyFloor, held_summary, warn_held
-from flexfloor_jax.rollout_inputs import (Prompt, RolloutError, build_seqs, check_output_dir,
-                                          check_prompts, history_file, load_history, load_prompts,
-                                          lock_output_dir, memory_budget_bytes, model_config,
-                                          resolve_lengths_mode, resolve_max_seq_len)
-from flexfloor_jax.rollout_outputs import OutputError, check_finite_logprobs, publish_outputs
-
+from flexfloor_jax.rollout import inputs, kv_pool
+from flexfloor_jax.rollout.inputs import (
+  Prompt,
+  RolloutError,
+  build_seqs,
+  check_output_dir,
+  check_prompts,
+  history_file,
+  load_history,
+  load_prompts,
+  lock_output_dir,
+  memory_budget_bytes,
+  model_config,
+  resolve_lengths_mode,
+  resolve_max_seq_len,
+)
+from flexfloor_jax.rollout.outputs import OutputError, check_finite_logprobs, publish_outputs
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 # ----------------------------------------------------------------------------- the rollout
 
@@ -58,7 +78,7 @@ class Prepared:
   devices: list
   floor: int
   expert_slots: int
-  allowed: Optional[tuple]  # scheduler.release_sizes, None = every size down to the floor
+  allowed: tuple | None  # scheduler.release_sizes, None = every size down to the floor
   step_cost: str
   queues: dict
   policy: Any
@@ -85,7 +105,7 @@ class Built:
 
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
-        write_outputs: bool = True, history: Optional[LengthHistory] = None,
+        write_outputs: bool = True, history: LengthHistory | None = None,
         step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
   `step_cache`: an engine.StepCache (the caller's; kept open) or an engine.StepCachePool (the
@@ -93,7 +113,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   `on_release(devices, finished)`: called right after each release with the released devices and
   the responses finished so far, {(prompt_id, sample): tokens}; it must not block (RL: released
   workers score finished responses, rl/reuse.py).
-  write_outputs: rollout.output_dir is checked and locked (policy/outputs.py) before anything is
+  write_outputs: rollout.output_dir is checked and locked (policy/output_dir.py) before anything is
   compiled, and the outputs are published there as one set; a failure to write them raises
   OutputError, which holds the result. `config`: settings.Settings, or a config that
   settings.load checks (ConfigError) before the heavy imports."""
@@ -101,7 +121,6 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   config = settings.as_settings(config)
   if write_outputs:
     check_output_dir(config)
-  import jax
   # only the process that writes the outputs (process 0) locks the directory
   lock = lock_output_dir(config) if write_outputs and jax.process_index() == 0 else None
   try:
@@ -122,7 +141,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         publish_outputs(config.rollout.output_dir, result.responses, result.summary,
                         result.timeline, f"{config.schedule}: {prep.num_workers} workers, "
                         f"epoch {config.rollout.epoch}", prep.history, prep.history_path)
-      except outputs.OutputWriteError as e:
+      except output_dir.OutputWriteError as e:
         raise OutputError(str(e), result, e.staging) from None
     return result
   finally:
@@ -131,14 +150,10 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
 
 def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenizer=None,
-            history: Optional[LengthHistory] = None) -> Prepared:
+            history: LengthHistory | None = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
   their checks, sequences, length history, floor, release sizes, placement and schedule."""
-  import jax
 
-  from flexfloor_jax import memory
-  from flexfloor_jax import mesh as mesh_lib
-  from flexfloor_jax.tokenizer import load_tokenizer
 
   r = config.rollout
   if model_cfg is None:
@@ -164,9 +179,9 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   devices = list(devices)
   # b: sequences a worker runs at once (paged KV: the pool's rows)
   n, b, e = len(devices), r.lanes, model_cfg.num_experts
-  # the floor's terms from the shapes the engine allocates (flexfloor_jax/memory.py)
+  # the floor's terms from the shapes the engine allocates (flexfloor_jax/engine/memory.py)
   try:
-    terms = memory.terms_for_config(config, model_cfg, seq_len)
+    terms = inputs.terms_for_config(config, model_cfg, seq_len)
   except kv_pool.KVPoolError as err:
     raise RolloutError(str(err)) from None
   paged = r.kv == "paged"
@@ -175,7 +190,7 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   except FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
-  slots = footprint.preallocated_slots(config.schedule, e, n, floor)
+  slots = preallocated_slots(config.schedule, e, n, floor)
   allowed = release_sizes(config.scheduler.release_sizes, n, floor)  # checked by settings
 
   chain = list(range(n))
@@ -199,9 +214,6 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
 
 def engine_spec(config: settings.Settings, prep: Prepared):
   """The EngineSpec of this rollout (one compiled shape per mesh size)."""
-  from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.model.config import resolve_moe_backend
-  from flexfloor_jax.sampling import SamplingParams
   r = config.rollout
   moe_impl, moe_interpret = resolve_moe_backend(config.model.moe_backend,
                                                 prep.devices[0].platform)
@@ -221,12 +233,7 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
   """Params (loaded only now: every input check passed), the engine and its sequences; the
   smaller meshes a release may leave start compiling in the order the plan reaches them
   (policy/compile_plan.py), each with the movers of the devices its releases touch."""
-  import jax
 
-  from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.model import checkpoint as ckpt
-  from flexfloor_jax.model import transformer as tfm
-  from flexfloor_jax.sampling import prompt_hash
 
   r, n = config.rollout, prep.num_workers
   if params is None:
@@ -276,7 +283,6 @@ def wait_for_compiles(config: settings.Settings, prep: Prepared, built: Built):
   benchmarks, tests). Else wait for the sizes the plan expects to reach (rollout.wait_plan_compiles)
   or none, and never release onto a mesh whose executables are not ready: a release never waits
   for a compile, and the steps that costs are counted and reported (policy/ready_floor.py)."""
-  import jax
   sizes, eng, policy = prep.release_sizes, built.engine, prep.policy
   t_wait = time.perf_counter()
   waited: list[int] = []
@@ -295,10 +301,7 @@ def wait_for_compiles(config: settings.Settings, prep: Prepared, built: Built):
 
 def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=None):
   """The control loop over the engine; returns the controller's record."""
-  import jax
-  from tqdm import tqdm
 
-  from flexfloor_jax.policy import controller
   bar = tqdm(total=len(prep.seqs), desc="responses", unit="seq", leave=False,
              disable=not (progress and jax.process_index() == 0))
   try:

@@ -21,14 +21,16 @@ single-device ones per device (SlotMovers, RowMovers), both off the critical pat
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from flexfloor_jax import mesh as mesh_lib
-from flexfloor_jax import movers
+from flexfloor_jax.engine import movers
+from flexfloor_jax.runtime import distributed
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def move_rounds(moves: Sequence[tuple]):
@@ -123,7 +125,6 @@ def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
 
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=specs,
                                check_vma=False)).lower({k: rows[k] for k in names}).compile()
-    from flexfloor_jax import distributed
     distributed.sync(f"route/{mesh.size}")
     _route_fns[key] = fn
   moved = fn({k: rows[k] for k in names})

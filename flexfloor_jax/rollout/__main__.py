@@ -1,15 +1,18 @@
 """`python -m flexfloor_jax.rollout --config=configs/mixtral.py[:preset] [--config.x=y ...]`.
 
 On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh.cpu_devices
-field or 8), which must happen before jax is imported: hence the late imports.
+field or 8), set before the first JAX operation; every input is checked before that.
 """
 
 from absl import app, flags
 
-from flexfloor_jax import distributed
-from flexfloor_jax.cli import (config_loaded, define_config, emulate_cpu_devices, fail,
-                               parse_flags, prepare_rollout, process_log)
-
+from flexfloor_jax.config.cli import config_loaded, define_config, fail, parse_flags
+from flexfloor_jax.config.settings import ConfigError
+from flexfloor_jax.model.checkpoint import CheckpointError
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.rollout.inputs import prepare_rollout
+from flexfloor_jax.runtime import distributed
+from flexfloor_jax.runtime.backend import emulate_cpu_devices, enable_compilation_cache, process_log
 
 _CONFIG = define_config("configs/mixtral.py", "Rollout config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,
@@ -21,8 +24,6 @@ def main(argv):
   del argv
   config = _CONFIG.value
   config_loaded(config)
-  from flexfloor_jax import runner
-  from flexfloor_jax.settings import ConfigError
   try:  # before jax starts: bad input fails in well under a second
     st, history = prepare_rollout(config)
   except (ConfigError, runner.RolloutError) as e:
@@ -30,9 +31,7 @@ def main(argv):
   emulate_cpu_devices(_CPU_DEVICES.value or distributed.local_cpu_devices()
                       or st.mesh.cpu_devices)
   distributed.initialize_from_flags(_DIST_FLAGS)  # no-op unless multi-process is configured
-  from flexfloor_jax.cli import enable_compilation_cache
   enable_compilation_cache()
-  from flexfloor_jax.model.checkpoint import CheckpointError
   try:
     res = runner.run(st, history=history)
   except runner.RolloutError as e:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:

@@ -12,8 +12,17 @@ initialize. Single process (nothing configured): a no-op.
 
 from __future__ import annotations
 
+import base64
+import importlib.util
+import io
 import os
-from typing import Optional
+
+import jax
+import numpy as np
+from absl import flags
+from jax._src import distributed as jd
+
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 ENV_COORD = "FLEXFLOOR_COORDINATOR"
 ENV_NPROC = "FLEXFLOOR_NUM_PROCESSES"
@@ -23,13 +32,13 @@ ENV_DEVICES = "FLEXFLOOR_DEVICES_PER_PROCESS"  # emulated CPU devices per proces
 _initialized = False
 
 
-def local_cpu_devices() -> Optional[int]:
+def local_cpu_devices() -> int | None:
   v = os.environ.get(ENV_DEVICES)
   return int(v) if v else None
 
 
-def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
-               process_id: Optional[int] = None) -> bool:
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> bool:
   """Start jax.distributed if configured; returns True when running multi-process."""
   global _initialized
   if _initialized:
@@ -42,7 +51,6 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   auto = os.environ.get("FLEXFLOOR_DISTRIBUTED") == "1"
   if coordinator_address is None and not auto:
     return False
-  import jax
   if _on_cpu():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if coordinator_address is None:  # TPU pod / SLURM: JAX detects the cluster
@@ -59,7 +67,6 @@ def _on_cpu() -> bool:
   if plats:
     return plats.split(",")[0].strip() == "cpu"
   try:  # no accelerator plugin installed: CPU
-    import importlib.util
     return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
                                                         "libtpu", "jax_rocm60_plugin"))
   except Exception:  # noqa: BLE001
@@ -75,7 +82,7 @@ SYNC_TIMEOUT_S = float(os.environ.get("FLEXFLOOR_SYNC_TIMEOUT_S", "1800"))
 _sync_counter = 0
 
 
-def sync(tag: str, timeout_s: Optional[float] = None) -> None:
+def sync(tag: str, timeout_s: float | None = None) -> None:
   """Every process reaches this point before any goes on (multi-process; else a no-op).
 
   Called before the first collective of each newly compiled executable. Gloo builds a
@@ -85,7 +92,6 @@ def sync(tag: str, timeout_s: Optional[float] = None) -> None:
   coordination service, waits `timeout_s` instead. `tag` names the point in a timeout error, and
   differing tags (processes out of step) time out rather than pair up wrongly. Every process must
   call this in the same order."""
-  import jax
   if jax.process_count() == 1:
     return
   global _sync_counter
@@ -111,15 +117,12 @@ def host_values(arrays):
   process of the mesh publishes the values through the distributed key-value store to the
   processes outside the mesh (their workers were all released), which read them from there.
   Every process must call this in the same order (the control loop runs in lockstep)."""
-  import jax
-  import numpy as np
   arrays = list(arrays)
   if jax.process_count() == 1:
     return [np.asarray(a) for a in arrays]
   global _read_counter
   _read_counter += 1
   key = f"flexfloor/host/{_read_counter}"
-  from flexfloor_jax import mesh as mesh_lib
   mesh = arrays[0].sharding.mesh
   ck = (mesh, tuple((a.shape, a.dtype, a.sharding) for a in arrays))
   if ck not in _gather_fns:
@@ -140,30 +143,22 @@ def host_values(arrays):
 
 
 def _kv_client():
-  from jax._src import distributed as jd
   return jd.global_state.client
 
 
 def _encode(values) -> str:
-  import base64
-  import io
-  import numpy as np
   buf = io.BytesIO()
   np.savez(buf, *values)
   return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _decode(s: str):
-  import base64
-  import io
-  import numpy as np
   with np.load(io.BytesIO(base64.b64decode(s))) as z:
     return [z[f"arr_{i}"] for i in range(len(z.files))]
 
 
 def define_flags():
   """--coordinator_address / --num_processes / --process_id for a CLI (absl)."""
-  from absl import flags
   return (flags.DEFINE_string("coordinator_address", None, "jax.distributed coordinator host:port "
                               "(default: $FLEXFLOOR_COORDINATOR; TPU pods/SLURM: detected)."),
           flags.DEFINE_integer("num_processes", None, "Processes in the job."),

@@ -45,7 +45,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -267,7 +268,7 @@ def load_hardware(path: str, presets: Mapping[str, Any], model=None):
              f"({hw.source})")
 
 
-def describe(table: StepTable, batch: Optional[int] = None, kv_len: Optional[int] = None) -> str:
+def describe(table: StepTable, batch: int | None = None, kv_len: int | None = None) -> str:
   """One line: device, and seconds per layer by experts held at one (batch, kv_len)."""
   b = int(batch if batch is not None else table.batches[min(1, len(table.batches) - 1)])
   k = int(kv_len if kv_len is not None else table.kv_lens[0])

@@ -1,0 +1,2 @@
+"""From config files to typed settings: the --config flag of every entry point (cli), one
+section's fields read with field-named errors (reader), the frozen settings (settings). No JAX."""

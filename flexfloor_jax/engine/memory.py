@@ -1,0 +1,71 @@
+"""The memory floor's terms, from the shapes the engine allocates (no memory allocated).
+
+Bytes one device of the active group holds:
+- experts: `expert_slots` slots of one expert each (all layers of w1, w3, w2), preallocated for
+  the floor, the same on every mesh size;
+- non-expert: every other weight, replicated;
+- KV: the KV caches of the worker's decode slots and their slot state (tokens, log-probs, ...);
+- workspace: what a release or a migration holds in flight on a device. elastic.move_on_devices
+  moves in rounds that touch a device at most once as source and once as destination, one expert
+  slot (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows may
+  still be alive when the next one's arrive: 2 expert slots + 2 sequence rows.
+XLA's temporaries inside a compiled step are not live arrays and are not counted here (on a device,
+`compiled.memory_analysis()` reports them).
+
+The runner takes the floor from these terms, and tests/test_elastic.py checks them against the
+bytes that `jax.live_arrays()` shows on each device at every mesh size of the tiny preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+from flexfloor_jax import engine as engine_lib
+from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.policy.floor import floor_workers
+
+
+@dataclasses.dataclass(frozen=True)
+class FloorTerms:
+  expert: int  # one expert slot, all layers
+  nonexpert: int
+  kv: int  # one worker: KV caches + slot state
+  workspace: int
+
+  def resident(self, expert_slots: int) -> int:
+    """Bytes a device holds between releases with `expert_slots` slots."""
+    return self.nonexpert + expert_slots * self.expert + self.kv
+
+  def per_device(self, expert_slots: int) -> int:
+    return self.resident(expert_slots) + self.workspace
+
+  def floor(self, num_experts: int, device_memory_bytes: int, max_workers: int) -> int:
+    return floor_workers(num_experts, self.expert, self.nonexpert, self.kv,
+                                 device_memory_bytes, max_workers, workspace_bytes=self.workspace)
+
+
+def _nbytes(tree) -> int:
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
+                record_routes: bool = False) -> FloorTerms:
+  """The terms from the shapes of the model's parameters and of the engine's per-worker arrays."""
+
+
+  # shapes without tracing (the runner computes the floor before every input check has passed);
+  # tests/test_presets.py checks them against jax.eval_shape of the init
+  params = tfm.param_shapes(model_cfg)
+  rest, experts = engine_lib.split_params(params)
+  expert = _nbytes(experts) // model_cfg.num_experts
+  dt = tfm.dtype_of(model_cfg)
+  kv_row = 2 * model_cfg.num_layers * max_seq_len * model_cfg.num_kv_heads * model_cfg.head_dim \
+      * jax.numpy.dtype(dt).itemsize
+  state = engine_lib.state_bytes_per_worker(model_cfg, slots_per_worker, max_seq_len,
+                                            max_new_tokens, record_routes)
+  kv = slots_per_worker * kv_row + state
+  row = kv_row + state // slots_per_worker
+  return FloorTerms(expert=expert, nonexpert=_nbytes(rest), kv=kv, workspace=2 * expert + 2 * row)

@@ -1,0 +1,197 @@
+"""Local multi-process launcher (testing multi-host code on one machine).
+
+  python -m flexfloor_jax.launch --num_processes=2 [--devices_per_process=4] [--timeout=600] \
+      -- python -m flexfloor_jax.rollout --config=configs/mixtral.py ...
+
+Spawns N children on a free loopback port; each learns coordinator / process count / its id (and
+its number of emulated CPU devices) from FLEXFLOOR_* environment variables, which
+flexfloor_jax.runtime.distributed reads. Output lines are prefixed with `[pK]` and forwarded. When any
+child fails (or the timeout passes) the others are killed and the launcher exits non-zero.
+
+Children never outlive the launcher: each runs in its own process group (so a terminal's Ctrl-C
+reaches only the launcher, which then stops them in order), SIGTERM / SIGHUP / SIGINT to the
+launcher stop every child's whole group, and on Linux each child also gets SIGKILL from the kernel
+when the launcher dies in a way it cannot handle (kill -9, a crash): prctl(PR_SET_PDEATHSIG).
+The latter reaches the command itself, not processes it forks; run the program directly rather
+than through a shell wrapper.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from absl import app, flags
+
+from flexfloor_jax.runtime import distributed
+
+_NUM = flags.DEFINE_integer("num_processes", 2, "Local processes to spawn.")
+_DEV = flags.DEFINE_integer("devices_per_process", 4, "Emulated CPU devices per process.")
+_TIMEOUT = flags.DEFINE_float("timeout", 900.0, "Seconds before all children are killed.")
+_PORT = flags.DEFINE_integer("port", 0, "Coordinator port (0 = a free one).")
+
+
+def free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent():
+  """A preexec_fn (Linux): the kernel sends the child SIGKILL when the launcher dies. None where
+  prctl is unavailable (the signal handlers below still cover a launcher that is told to stop).
+  Resolved here, in the parent: the child runs it between fork and exec, where little is safe."""
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+  except (OSError, AttributeError):
+    return None
+  parent = os.getpid()
+
+  def preexec():
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+      os.kill(os.getpid(), signal.SIGKILL)
+  return preexec
+
+
+class _Stop(Exception):
+  """The launcher was told to stop (SIGTERM, SIGHUP): unwind into the cleanup."""
+
+
+def _raise_stop(signum, frame):
+  raise _Stop(signal.Signals(signum).name)
+
+
+def _pump(stream, prefix: str, out):
+  for line in iter(stream.readline, b""):
+    out.write(prefix + line.decode(errors="replace"))
+    out.flush()
+  stream.close()
+
+
+def launch(command: list[str], num_processes: int, devices_per_process: int = 4,
+           timeout: float = 900.0, port: int = 0) -> int:
+  if not command:
+    print("error: no command given (put it after --)", file=sys.stderr)
+    return 2
+  port = port or free_port()
+  procs, pumps = [], []
+  preexec = _die_with_parent()
+  handled = (signal.SIGTERM, signal.SIGHUP)
+  old_handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    old_handlers = {s: signal.signal(s, _raise_stop) for s in handled}
+  try:
+    return _run(command, num_processes, devices_per_process, timeout, port, procs, pumps,
+                preexec)
+  finally:
+    for s, h in old_handlers.items():
+      signal.signal(s, h)
+
+
+def _run(command, num_processes, devices_per_process, timeout, port, procs, pumps,
+         preexec) -> int:
+  rc = 0
+  try:
+    _start(command, num_processes, devices_per_process, port, procs, preexec)
+    # Output pumps start after the last fork: no thread runs while a child is between fork and
+    # exec (the preexec_fn).
+    for i, p in enumerate(procs):
+      t = threading.Thread(target=_pump, args=(p.stdout, f"[p{i}] ", sys.stdout), daemon=True)
+      t.start()
+      pumps.append(t)
+    rc = _wait(procs, timeout)
+  except KeyboardInterrupt:
+    rc = 130
+  except _Stop as e:
+    print(f"launch: {e}; stopping all processes", file=sys.stderr)
+    rc = 143
+  finally:
+    _stop_all(procs, pumps)
+  return rc
+
+
+def _start(command, num_processes, devices_per_process, port, procs, preexec) -> None:
+  for i in range(num_processes):
+    env = dict(os.environ)
+    env[distributed.ENV_COORD] = f"127.0.0.1:{port}"
+    env[distributed.ENV_NPROC] = str(num_processes)
+    env[distributed.ENV_PID] = str(i)
+    env[distributed.ENV_DEVICES] = str(devices_per_process)
+    flags_ = [f for f in env.get("XLA_FLAGS", "").split()
+              if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(
+        flags_ + [f"--xla_force_host_platform_device_count={devices_per_process}"])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         start_new_session=True, preexec_fn=preexec)
+    procs.append(p)
+
+
+def _wait(procs, timeout: float) -> int:
+  deadline = time.monotonic() + timeout
+  while True:
+    codes = [p.poll() for p in procs]
+    bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    if bad:
+      i, c = bad[0]
+      print(f"launch: process {i} exited with {c}; stopping the others", file=sys.stderr)
+      return c if c > 0 else 1
+    if all(c == 0 for c in codes):
+      return 0
+    if time.monotonic() > deadline:
+      print(f"launch: timeout after {timeout:.0f}s; stopping all processes", file=sys.stderr)
+      return 124
+    time.sleep(0.1)
+
+
+def _stop_all(procs, pumps) -> None:
+  """SIGTERM to every child's process group, SIGKILL to those still there after 10 s. A second
+  SIGTERM to the launcher meanwhile must not cut this short: ignored until done."""
+  restore = {}
+  if threading.current_thread() is threading.main_thread():
+    restore = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP)}
+  try:
+    for p in procs:
+      if p.poll() is None:
+        try:
+          os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+          pass
+    for p in procs:
+      try:
+        p.wait(timeout=10)
+      except subprocess.TimeoutExpired:
+        try:
+          os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+          pass
+        p.wait()
+    for t in pumps:
+      t.join(timeout=5)
+  finally:
+    for s, h in restore.items():
+      signal.signal(s, h)
+
+
+def main(argv):
+  cmd = list(argv[1:])
+  if cmd and cmd[0] == "--":
+    cmd = cmd[1:]
+  sys.exit(launch(cmd, _NUM.value, _DEV.value, _TIMEOUT.value, _PORT.value))
+
+
+if __name__ == "__main__":
+  app.run(main)
