@@ -8,7 +8,7 @@ field with --config.section.field=value.
 
 import ml_collections
 
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:

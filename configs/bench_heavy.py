@@ -6,7 +6,7 @@ sequences), per-prompt lognormal sigma 0.8 around a median of 128 tokens, cap (m
 bench has them) to keep the run short.
 """
 
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 
 
 def get_config(preset: str = "tiny"):

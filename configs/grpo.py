@@ -2,13 +2,14 @@
 `python -m flexfloor_jax.rl.sft --config=configs/grpo.py` for the warm start).
 
 Every section of configs/mixtral.py (model, mesh, rollout, sampling, schedule, scheduler) under the
-same names, plus steps / output_dir / checkpoint_every / keep_checkpoints and the `rl` and `sft` sections. The
-rollout's prompts are the built-in tasks (rl.tasks), written to <output_dir>/prompts.jsonl.
+same names, plus steps / output_dir / checkpoint_every / keep_checkpoints and the `rl` and `sft`
+sections. The rollout's prompts are the built-in tasks (rl.tasks), written to
+<output_dir>/prompts.jsonl.
 """
 
 import ml_collections
 
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
@@ -34,7 +35,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.rl.task_size = 3  # problem size (digits, letters; count goes to 8 * task_size)
   c.rl.prompt_seed = 0
   c.rl.reward_fn = ""  # '' = built-in rewards | 'module:function' (fn(prompt_row, text) -> float)
-  c.rl.lr = 3e-4 if preset == "tiny" else 1e-6  # tiny: learns within 20 steps
+  c.rl.lr = 3e-4 if preset == "tiny" else 1e-6  # tiny: large enough to learn within its steps
   c.rl.weight_decay = 0.0
   c.rl.b1 = 0.9
   c.rl.b2 = 0.999

@@ -100,8 +100,8 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.scheduler.placement = "auto"
   # active-group sizes a release may leave, one compiled executable set each: '' = every size
   # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
-  # tiny: 5 sizes (8, 6, 4, 2, 1) instead of 8 keep a first run's compiles short on a 2-core
-  # machine, for 0.4-2.4% fewer tokens per device-step than every size (README, Performance)
+  # tiny: 5 sizes (8, 6, 4, 2, 1) instead of 8 keep a first run's compiles short on a small CPU
+  # machine, for slightly fewer tokens per device-step than every size (README, Performance)
   c.scheduler.release_sizes = "6,4,2" if preset == "tiny" else ""
   # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
   # (placement, and with a step cost model each release), in exchange for less device time

@@ -3,7 +3,7 @@ memory floor of a configs/mixtral.py preset, term by term (flexfloor_jax.engine.
 
 import argparse
 
-from flexfloor_jax.config import cli
+from flexfloor_jax.config import files
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.policy.floor import FloorError, expert_slots
 from flexfloor_jax.rollout import inputs
@@ -16,7 +16,7 @@ def main(argv=None):
                  help="per-device budget (default: the preset's mesh.device_memory_gb, else 16)")
   p.add_argument("--workers", type=int, default=8)
   args = p.parse_args(argv)
-  config = cli.load_config("mixtral", args.preset)
+  config = files.load_config("mixtral", args.preset)
   model_cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)
   seq_len = config.model.max_seq_len or (config.rollout.max_prompt_len
                                          + config.rollout.max_new_tokens)
@@ -30,7 +30,8 @@ def main(argv=None):
   print(f"  expert slot  {t.expert / gib:9.3f} GiB  (one expert, all layers)")
   print(f"  non-expert   {t.nonexpert / gib:9.3f} GiB")
   print(f"  KV           {t.kv / gib:9.3f} GiB  (KV caches + slot state of one worker)")
-  print(f"  workspace    {t.workspace / gib:9.3f} GiB  (2 expert slots + 2 sequence rows in flight)")
+  print(f"  workspace    {t.workspace / gib:9.3f} GiB  "
+        "(2 expert slots + 2 sequence rows in flight)")
   try:
     floor = t.floor(e, int(mem * gib), n)
   except FloorError as err:

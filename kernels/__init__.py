@@ -6,8 +6,9 @@ Pallas Triton for permute and combine; interpret mode on CPU via `interpret=True
 differentiable. `flexfloor_jax.model.config.resolve_moe_backend` maps `model.moe_backend` ('auto' |
 'xla' | 'pallas') and the platform to `impl` / `interpret`.
 
-`flexfloor_jax.kernels.paged_attention` (imported by its module path, not re-exported here) is the decode
-attention over a paged KV pool: an XLA reference and adapters to JAX's Pallas TPU / GPU kernels.
+`flexfloor_jax.kernels.paged_attention` (imported by its module path, not re-exported here) is the
+decode attention over a paged KV pool: an XLA reference and adapters to JAX's Pallas TPU / GPU
+kernels.
 """
 
 from flexfloor_jax.kernels.combine import combine

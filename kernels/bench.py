@@ -1,7 +1,8 @@
-"""CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows, then at decode shapes.
+r"""CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows, then at decode shapes.
 
   python -m flexfloor_jax.kernels.bench [--tile_m 128 256] [--runs 30]
-  python -m flexfloor_jax.kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 --tile_m 128   # GPU
+  python -m flexfloor_jax.kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 \
+      --tile_m 128   # GPU
 
 The grouped matmul does the same flops as the dense matmul plus its tile padding, so the ratio shows
 the cost of fixed-shape tiles and the per-tile loop. Dense and grouped calls are timed interleaved
@@ -30,7 +31,7 @@ from flexfloor_jax.kernels.gmm_xla import gmm_run_loop
 from flexfloor_jax.kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
 
 NUM_ROWS, K_DIM, N_DIM, NUM_GROUPS = 4096, 256, 512, 8
-# flexfloor_jax.engine.EngineSpec.decode_tile_m (kernels imports nothing of the engine)
+# flexfloor_jax.engine.EngineSpec.decode_tile_m (the kernels import nothing of the engine)
 DECODE_TILE_M = 8
 DECODE_ROWS_PER_EXPERT = (8, 16, 32, 64)
 
@@ -56,7 +57,7 @@ def _time_interleaved(calls, runs: int):
       jax.block_until_ready(f(*a))
   ts = [[] for _ in calls]
   for _ in range(max(runs, 10)):
-    for t, (f, a) in zip(ts, calls):
+    for t, (f, a) in zip(ts, calls, strict=True):
       t0 = time.perf_counter()
       jax.block_until_ready(f(*a))
       t.append(time.perf_counter() - t0)
@@ -85,9 +86,9 @@ def run_decode(runs: int = 30, dtype=jnp.float32, impl: str = "xla", k_dim: int 
   rhs_GKN = jax.random.normal(key_w, (NUM_GROUPS, k_dim, n_dim), dtype)
   einsum = jax.jit(lambda x, w: jnp.einsum("gck,gkn->gcn", x, w,
                                            preferred_element_type=jnp.float32).astype(x.dtype))
-  gmm = jax.jit(lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=tile_m, impl=impl))
-  per_tile = jax.jit(lambda l, r, tg, u: _per_tile_gmm(l, r, tg, u, tile_m))
-  run_loop = jax.jit(lambda l, r, tg, u: gmm_run_loop(l, r, tg, u, tile_m, l.dtype, False))
+  gmm = jax.jit(lambda x, r, tg, u: grouped_matmul(x, r, tg, u, tile_m=tile_m, impl=impl))
+  per_tile = jax.jit(lambda x, r, tg, u: _per_tile_gmm(x, r, tg, u, tile_m))
+  run_loop = jax.jit(lambda x, r, tg, u: gmm_run_loop(x, r, tg, u, tile_m, x.dtype, False))
   results = []
   for per_expert in DECODE_ROWS_PER_EXPERT:
     rows = per_expert * NUM_GROUPS
@@ -118,7 +119,7 @@ def run(tile_ms=(DEFAULT_TILE_M,), runs: int = 30, dtype=jnp.float32, impl: str 
   results = []
   for tile_m in tile_ms:
     rows = padded_rows(NUM_ROWS, NUM_GROUPS, tile_m)
-    gmm = jax.jit(lambda l, r, tg, u, tm=tile_m: grouped_matmul(l, r, tg, u, tile_m=tm,
+    gmm = jax.jit(lambda x, r, tg, u, tm=tile_m: grouped_matmul(x, r, tg, u, tile_m=tm,
                                                                 impl=impl))
     for name, sizes in CASES.items():
       assert sum(sizes) == NUM_ROWS, (name, sizes)
@@ -136,7 +137,7 @@ def run(tile_ms=(DEFAULT_TILE_M,), runs: int = 30, dtype=jnp.float32, impl: str 
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
   p.add_argument("--tile_m", type=int, nargs="+", default=[DEFAULT_TILE_M])
   p.add_argument("--runs", type=int, default=30)
   p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -1,4 +1,5 @@
-"""Weighted top-k combine: out[t] = sum_{k=0..K-1} weights[t, k] * y[row_dst[t, k]] (row_dst < 0 skipped).
+"""Weighted top-k combine: out[t] = sum_{k=0..K-1} weights[t, k] * y[row_dst[t, k]] (row_dst < 0
+skipped).
 
 The sum is fp32 and strictly sequential in k (acc = acc + term_k), never a tree reduction, so a
 token's output does not depend on where its expert copies were computed or how XLA would choose to
@@ -41,7 +42,8 @@ def combine(
   backward pass.
   """
   if y_PD.ndim != 2 or row_dst_TK.ndim != 2 or row_dst_TK.shape != weights_TK.shape:
-    raise ValueError(f"bad shapes: y {y_PD.shape}, row_dst {row_dst_TK.shape}, w {weights_TK.shape}")
+    raise ValueError(f"bad shapes: y {y_PD.shape}, row_dst {row_dst_TK.shape}, "
+                     f"w {weights_TK.shape}")
   row_dst_TK = row_dst_TK.astype(jnp.int32)
   if impl == "xla":
     return combine_xla(y_PD, row_dst_TK, weights_TK)
@@ -84,7 +86,8 @@ _combine_pallas.defvjp(_combine_pallas_fwd, _combine_pallas_bwd)
 
 
 def _term(w_T, rows_TD, valid_T):
-  """One k's contribution; `where` (not w * 0) so a skipped slot adds nothing even if w is inf/nan."""
+  """One k's contribution; `where` (not w * 0) so a skipped slot adds nothing even if w is
+  inf/nan."""
   prod = w_T.astype(jnp.float32)[:, None] * rows_TD.astype(jnp.float32)
   return jnp.where(valid_T[:, None], prod, 0.0)
 
@@ -140,7 +143,7 @@ def _combine_tpu(y_PD, row_dst_TK, weights_TK, *, interpret):
       def body(t, carry):
         for k in range(top_k):
           @pl.when(dst_smem[(base + t) * top_k + k] >= 0)
-          def _():
+          def _(k=k):
             fn(dma(t, k))
 
         return carry
@@ -161,7 +164,9 @@ def _combine_tpu(y_PD, row_dst_TK, weights_TK, *, interpret):
       )
     out_ref[...] = acc.astype(out_ref.dtype)
 
-  tk_block = lambda i, dst_smem: (i, 0)
+  def tk_block(i, dst_smem):
+    return (i, 0)
+
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_tokens, d_dim), y_PD.dtype),

@@ -1,15 +1,17 @@
 """Dispatch plan: where each routed row goes in the padded tile layout.
 
-The padded tile layout sorts rows by group and starts every group at a multiple of `tile_m`, so each
-tile of `tile_m` rows belongs to exactly one group. Expert matmuls then run as GEMMs of one fixed
-shape [tile_m, K] x [K, N], which makes a row's result independent of how many rows its group got and
-of which rows share its tile (batch invariance, bitwise).
+The padded tile layout sorts rows by group and starts every group at a multiple of `tile_m`, so
+each tile of `tile_m` rows belongs to exactly one group. Expert matmuls then run as GEMMs of one
+fixed shape [tile_m, K] x [K, N], which makes a row's result independent of how many rows its group
+got and of which rows share its tile (batch invariance, bitwise).
 
-Everything here is static-shaped jnp (jittable, no Python loop over rows), so the plan is built inside
-the decode step.
+Everything here is static-shaped jnp (jittable, no Python loop over rows), so the plan is built
+inside the decode step.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import flax.struct
 import jax
@@ -34,6 +36,9 @@ class DispatchPlan:
   group_sizes: jax.Array
   tile_group: jax.Array
   num_tiles_used: jax.Array
+
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it (dataclasses.replace)
+    def replace(self, **changes: Any) -> DispatchPlan: ...
 
 
 def padded_rows(num_rows: int, num_groups: int, tile_m: int) -> int:

@@ -19,6 +19,10 @@ _MGPU_BLOCK_N = 128
 _MGPU_BLOCK_K = 64
 _MGPU_STAGES = 3
 
+# The wgmma accumulator reference. jax's mosaic_gpu module exports it as ACC without marking the
+# import a re-export, so the type checker takes the name for private.
+_ACC = plgpu.ACC  # type: ignore[reportPrivateImportUsage]
+
 
 # Decode tiles (tile_m < 64, a multiple of 8) go through the swapped product out^T = W^T x^T:
 # wgmma's M (64 per warpgroup) then runs over the weights' N and its N (a multiple of 8) over the
@@ -79,14 +83,14 @@ def gmm_mgpu_swapped(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose
             else plgpu.BlockSpec((bk, bn), lambda k: (k, ni))
         )
         plgpu.emit_pipeline(
-            lambda idx, l, r: step(idx, l, r, acc_ref),
+            lambda idx, lhs_smem, rhs_smem: step(idx, lhs_smem, rhs_smem, acc_ref),
             grid=(k_dim // bk,),
             in_specs=[plgpu.BlockSpec((tile_m, bk), lambda k: (ti, k)), rhs_spec],
             max_concurrent_steps=min(_MGPU_STAGES, k_dim // bk),
         )(lhs_gmem, rhs_gmem.at[group])
         return acc_ref[...]
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((bn, tile_m), jnp.float32))
+      acc = pl.run_scoped(acc_scope, _ACC((bn, tile_m), jnp.float32))
       store(acc.astype(out_gmem.dtype))
 
     @pl.when(jnp.logical_not(is_used))
@@ -147,14 +151,14 @@ def gmm_mgpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs):
             else plgpu.BlockSpec((bk, bn), lambda k: (k, ni))
         )
         plgpu.emit_pipeline(
-            lambda idx, l, r: step(idx, l, r, acc_ref),
+            lambda idx, lhs_smem, rhs_smem: step(idx, lhs_smem, rhs_smem, acc_ref),
             grid=(k_dim // bk,),
             in_specs=[plgpu.BlockSpec((block_m, bk), lambda k: (mi, k)), rhs_spec],
             max_concurrent_steps=min(_MGPU_STAGES, k_dim // bk),
         )(lhs_gmem, rhs_gmem.at[group])
         return acc_ref[...]
 
-      acc = pl.run_scoped(acc_scope, plgpu.ACC((block_m, bn), jnp.float32))
+      acc = pl.run_scoped(acc_scope, _ACC((block_m, bn), jnp.float32))
       store(acc.astype(out_gmem.dtype))
 
     @pl.when(jnp.logical_not(is_used))

@@ -4,6 +4,8 @@ outermost where a [K, tn] block fits VMEM, so each used expert's weights are fet
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -45,14 +47,17 @@ class _TpuSchedule:
   lhs_block: tuple
   rhs_block: tuple
   out_block: tuple
-  lhs_map: object
-  rhs_map: object
-  out_map: object
+  lhs_map: Callable[..., Any]
+  rhs_map: Callable[..., Any]
+  out_map: Callable[..., Any]
 
 
 def tpu_schedule(num_rows, k_dim, n_dim, tile_m, in_itemsize, out_itemsize, transpose_rhs):
   num_tiles = num_rows // tile_m
-  rhs_kn = lambda g, k, n: (g, n, k) if transpose_rhs else (g, k, n)
+
+  def rhs_kn(g, k, n):
+    return (g, n, k) if transpose_rhs else (g, k, n)
+
 
   def clamp(i, used):  # steps past the used tiles repeat the last used tile's blocks: no DMA
     return jnp.where(i < used[0], i, jnp.maximum(used[0] - 1, 0))
@@ -106,8 +111,11 @@ def gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, num
                       transpose_rhs)
   dims = dot_dims(transpose_rhs)
 
+  semantics: tuple[Literal["parallel", "arbitrary"], ...]
   if sch.weights_outer:
-    def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref):
+    # One `kernel` per schedule, both by that name (pallas_call names a kernel after its
+    # function); the type checker takes the pair for a redeclaration.
+    def kernel(tg_ref, used_ref, lhs_ref, rhs_ref, out_ref):  # type: ignore[reportRedeclaration]
       active = pl.program_id(1) < used_ref[0]
 
       @pl.when(active)
@@ -120,7 +128,8 @@ def gmm_tpu(lhs, rhs, tile_group, used, *, tile_m, out_dtype, transpose_rhs, num
       def _():
         out_ref[...] = jnp.zeros_like(out_ref)
 
-    scratch, semantics = [], ("parallel", "arbitrary")
+    scratch = []
+    semantics = ("parallel", "arbitrary")
     # Each used group's weights once; the lhs once per N block.
     weight_reads = min(num_tiles, num_groups)
   else:

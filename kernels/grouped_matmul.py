@@ -1,5 +1,5 @@
-"""Grouped (per-expert) matmul over the padded tile layout of `flexfloor_jax.kernels.dispatch_plan`: the API, its
-custom_vjp and the choice of kernel.
+"""Grouped (per-expert) matmul over the padded tile layout of `flexfloor_jax.kernels.dispatch_plan`:
+the API, its custom_vjp and the choice of kernel.
 
 Tile i (rows [i*tile_m, (i+1)*tile_m)) is multiplied by rhs[tile_group[i]] for i < num_tiles_used;
 later tiles are zero and cost no matmul. Every tile is the same [tile_m, K] x [K, N] GEMM with fp32

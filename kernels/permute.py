@@ -1,14 +1,15 @@
-"""Row gather into (and out of) the padded tile layout: out[p] = x[row_src[p]], 0 where row_src[p] < 0.
+"""Row gather into (and out of) the padded tile layout: out[p] = x[row_src[p]], 0 where
+row_src[p] < 0.
 
 Passing `plan.row_src` dispatches token copies into the padded layout; passing `plan.row_dst`
 gathers them back (unpermute). impl='xla' is `jnp.take` + `where` (the CPU default: a Pallas gather
-in interpret mode is ~500x slower). impl='pallas' picks, at lowering time, a Mosaic TPU kernel
-(indices through scalar prefetch (SMEM), one DMA per row from HBM into the VMEM output block), a
-Pallas Triton kernel on cuda (`_permute_gpu`: a program per [rows, cols] output block, one masked
-vector load of its source rows; padding rows are not read), the XLA gather on ROCm, or on any
-other platform the TPU kernel in interpret mode. `interpret=True` runs the TPU kernel in interpret
-mode everywhere; `_permute_gpu(..., interpret=True)` is the GPU kernel's CPU test path. Both impls
-share one backward pass (the XLA gather's transpose).
+in interpret mode is orders of magnitude slower). impl='pallas' picks, at lowering time, a Mosaic
+TPU kernel (indices through scalar prefetch (SMEM), one DMA per row from HBM into the VMEM output
+block), a Pallas Triton kernel on cuda (`_permute_gpu`: a program per [rows, cols] output block,
+one masked vector load of its source rows; padding rows are not read), the XLA gather on ROCm, or
+on any other platform the TPU kernel in interpret mode. `interpret=True` runs the TPU kernel in
+interpret mode everywhere; `_permute_gpu(..., interpret=True)` is the GPU kernel's CPU test path.
+Both impls share one backward pass (the XLA gather's transpose).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Shared pieces of the Pallas Triton (GPU) row kernels in `flexfloor_jax.kernels.permute` and `flexfloor_jax.kernels.combine`.
+"""Shared pieces of the Pallas Triton (GPU) row kernels in `flexfloor_jax.kernels.permute` and
+`flexfloor_jax.kernels.combine`.
 
 Both kernels gather whole rows by a dynamic index vector: a program owns a [rows, cols] output
 block, loads its row indices as a vector, and reads the source rows with one masked Triton load of

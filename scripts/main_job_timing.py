@@ -8,8 +8,8 @@
    1 is there, as on a user's second run);
 3. `--config.rollout.wait_compiles=true` with a fresh output directory (no history, as run 1):
    the reproducible benchmark mode, whose tokens per device-step run 1 should match.
-Prints each run's wall and CPU seconds, releases, smallest active group, tokens per device-step, steps
-held back for compiles and the cache's entry count after it, the load average, and whether the
+Prints each run's wall and CPU seconds, releases, smallest active group, tokens per device-step,
+steps held back for compiles and the cache's entry count after it, the load average, and whether the
 README's targets hold (cold <= 90 s, warm <= 30 s, cold tokens/device-step within 5% of run 3,
 no cache entry added by the warm run). Exit status 1 if one does not.
 """
@@ -53,7 +53,8 @@ def run(name: str, cache: str, out: str, extra=()) -> dict:
   with open(os.path.join(out, "summary.json")) as f:
     s = json.load(f)
   rel = [r for r in s["releases"] if not r.get("final")]
-  row = dict(run=name, wall_s=round(wall, 1), cpu_s=round(cpu, 1), setup_s=round(s["setup_seconds"], 1),
+  row = dict(run=name, wall_s=round(wall, 1), cpu_s=round(cpu, 1),
+             setup_s=round(s["setup_seconds"], 1),
              generation_s=round(s["generation_wall_s"], 1), releases=len(rel),
              smallest_group=s["num_workers"] - sum(len(r["workers"]) for r in rel),
              device_steps=s["device_steps"],

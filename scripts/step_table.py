@@ -1,4 +1,5 @@
-"""Decode-step time table on one accelerator -> JSON the simulator loads (`--hardware=measured:FILE`).
+"""Decode-step time table on one accelerator -> JSON the simulator loads \
+(`--hardware=measured:FILE`).
 
   python scripts/step_table.py --out=h200_step_table.json            # Mixtral-8x7B layers, GPU/TPU
   python scripts/step_table.py --dry_run --out=/tmp/t.json           # tiny shapes, CPU, seconds
@@ -16,8 +17,8 @@ fori_loop, sampled token fed back) for a stack of `--layers` Mixtral-8x7B-shaped
     attends over the whole cache, as the engine's fixed-shape decode does).
 Per-layer seconds = (step - fixed) / layers, where `fixed` (embedding, final norm, lm_head, argmax)
 is timed per batch with the same loop and no layers. Timing: compile ahead of time, warm up, then
-`--repeats` timed runs of enough dispatches to last >= --min_run_s each, jax.block_until_ready at the
-end of each; the table records the median and every repeat. Rows are written after every batch
+`--repeats` timed runs of enough dispatches to last >= --min_run_s each, jax.block_until_ready at
+the end of each; the table records the median and every repeat. Rows are written after every batch
 block, so a run cut short still leaves a full grid over the batches it finished (`--budget_s` stops
 it cleanly before that). Schema: flexfloor_jax/sim/measured_hw.py.
 """
@@ -102,7 +103,10 @@ def main(argv=None):
     return 2
   mesh = mesh_lib.make_ep_mesh([dev])
   ax = mesh_lib.EP_AXIS
-  log = lambda *a: print(f"[{time.perf_counter() - t_start:7.1f}s]", *a, flush=True)
+
+  def log(*a):
+    print(f"[{time.perf_counter() - t_start:7.1f}s]", *a, flush=True)
+
   log(f"device {dev.device_kind} ({dev.platform}), jax {jax.__version__}, layers {L}, "
       f"D={cfg.hidden_size} F={cfg.intermediate_size} E={E} top-{cfg.top_k} {cfg.dtype}")
 
@@ -121,7 +125,10 @@ def main(argv=None):
     ep = EPConfig(num_workers=1, slots_per_worker=e, top_k=cfg.top_k, tile_m=tile_m,
                   chunk_tokens=chunk_tokens, backend=backend)
     e2s = jnp.arange(E, dtype=jnp.int32) % e  # expert j -> local slot j mod e
-    moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, E)
+
+    def moe_fn(x, lp, valid):
+      return ep_moe(x, lp, valid, e2s, ep, E)
+
 
     def local(rest, ex, ck, cv, tok, pos):
       prm = engine_lib.merge_params(rest, ex)
@@ -194,7 +201,7 @@ def main(argv=None):
 
   def submit(step, e, b, s):
     """Lower (trace) here, in the main thread, and compile in the pool: XLA compiles release the
-    GIL, so they run in parallel (16 cores on the device machine) and behind the timing of
+    GIL, so they run in parallel (on the device machine's cores) and behind the timing of
     earlier blocks without holding up its dispatches. -> future of (executable | exception, s)."""
     t0 = time.perf_counter()
     try:
@@ -215,7 +222,9 @@ def main(argv=None):
     return pool.submit(comp)
 
   def time_compiled(compiled, e, state):
-    call = lambda st: compiled(rest, held[e], *st)
+    def call(st):
+      return compiled(rest, held[e], *st)
+
     med, reps, first, state = timed(call, state)
     return med, reps, state
 
@@ -308,7 +317,7 @@ def main(argv=None):
           raise exe
         med, reps, state = time_compiled(exe, e, state)
         per_layer, note = (med - fmed) / L, {}
-        if per_layer <= 0:  # timing noise larger than the layers (seen on a loaded CPU only)
+        if per_layer <= 0:  # timing noise larger than the layers (a loaded CPU)
           per_layer, note = med / L, dict(note="fixed part not subtracted: it exceeded the step")
         block.append(dict(experts_per_device=e, batch=b, kv_len=s, seconds_per_layer=per_layer,
                           step_seconds=med, repeats=reps, compile_s=round(comp, 2), **note))

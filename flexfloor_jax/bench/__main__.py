@@ -36,6 +36,7 @@ def main(argv):
     st = settings.load(config, "bench")
   except settings.ConfigError as e:
     fail(str(e))
+  assert st.bench is not None  # load(config, "bench") reads the bench section
   out = st.bench.output_dir
   try:  # checked and locked before jax starts: a second bench on this directory fails at once
     lock = output_dir.acquire(out, "output_dir")

@@ -20,7 +20,9 @@ def ratios(a: dict, b: dict) -> dict:
 
 
 def same_responses(a: list[dict], b: list[dict]) -> bool:
-  key = lambda r: (r["prompt_id"], r["sample"])
+  def key(r):
+    return (r["prompt_id"], r["sample"])
+
   return {key(r): r["tokens"] for r in a} == {key(r): r["tokens"] for r in b}
 
 

@@ -13,8 +13,9 @@ from flexfloor_jax.policy import accounting
 RELEASE_ONLY_TARGET = 0.9  # release alone should recover at least this share of its ceiling
 TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "makespan", ".0f"),
          ("slot_utilization", "slot util", ".3f"),
-         ("idle_after_finish_fraction", "idle after fin", ".3f"), ("device_steps", "dev-steps", ".0f"),
-         ("throughput_tokens_per_s", "tokens/s", ".1f"), ("mean_reward", "reward", ".3f"))
+         ("idle_after_finish_fraction", "idle after fin", ".3f"),
+         ("device_steps", "dev-steps", ".0f"), ("throughput_tokens_per_s", "tokens/s", ".1f"),
+         ("mean_reward", "reward", ".3f"))
 
 
 # paged KV (rollout.kv='paged'): the pool's columns, after the others
@@ -34,8 +35,11 @@ def format_table(doc: dict) -> str:
       (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)] + (
       [(h, max(len(h), 7)) for _, h, _ in KV_TABLE] if paged else [])
   # rows without the pool's columns get dashes there (nothing to add with fixed slots)
-  fmt_row = lambda vals: " ".join(f"{v:>{w}}" for v, (_, w) in zip(
-      list(vals) + ["-"] * (len(cols) - len(vals)), cols))
+
+  def fmt_row(vals):
+    return " ".join(f"{v:>{w}}" for v, (_, w) in zip(
+        list(vals) + ["-"] * (len(cols) - len(vals)), cols, strict=True))
+
   lines = [fmt_row([c for c, _ in cols])]
   dash = "-"
 
@@ -81,7 +85,10 @@ def summary_lines(doc: dict) -> list[str]:
   eps = [e for e in doc["epochs"] if e["epoch"] >= 1] or doc["epochs"]
   out = []
   ks = [e["epoch"] for e in eps]
-  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+
+  def fmt(xs):
+    return ", ".join(f"{x:.3f}" for x in xs)
+
   r = [e["ratio"]["tokens_per_device_step"] for e in eps]
   rb = [e["bound"]["ratio_tokens_per_device_step"] for e in eps]
   ms = [e["makespan_speedup"]["flexfloor"] for e in eps]
@@ -122,16 +129,19 @@ def summary_lines(doc: dict) -> list[str]:
 
 
 def paged_lines(doc: dict, eps: list[dict]) -> list[str]:
-  """Paged KV: issue #18's targets on one pool (flexfloor and balanced against static), the pool
-  every schedule ran on, and per schedule its peak pages and preemptions."""
+  """Paged KV: the paged pool's targets (flexfloor and balanced against static, on one pool), the
+  pool every schedule ran on, and per schedule its peak pages and preemptions."""
   ks = [e["epoch"] for e in eps]
-  fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
+
+  def fmt(xs):
+    return ", ".join(f"{x:.3f}" for x in xs)
+
   out = []
   for name, key in (("flexfloor", "ratio"), ("balanced", "ratio_balanced")):
     r = [e[key]["tokens_per_device_step"] for e in eps]
     ms = [e["makespan_speedup"][name] for e in eps]
     out.append(f"paged KV, same pool, epochs {ks}: {name}/static tokens_per_device_step "
-               f"{fmt(r)} (issue #18 target >= 2.0); static/{name} makespan (steps) {fmt(ms)} "
+               f"{fmt(r)} (target >= 2.0); static/{name} makespan (steps) {fmt(ms)} "
                f"(target >= 1.5)")
   p = doc["epochs"][0]["kv_pool"]
   same = all(e["kv_pool"] == p for e in doc["epochs"])
@@ -195,7 +205,7 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
 
 def write_outputs(doc, timelines, records, out_dir: str) -> str:
   """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
-  (policy/output_dir.py); returns the set's directory. Raises output_dir.OutputWriteError naming the
+  (io/output_dir.py); returns the set's directory. Raises output_dir.OutputWriteError naming the
   file."""
   s = output_dir.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
   s.write("bench.json", json.dumps(doc, indent=2))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import sys
 import time
+from typing import Any
 
 import jax.numpy as jnp
 from tqdm import tqdm
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.bench import document
 from flexfloor_jax.bench.document import lanes, paged, pool_factory
-from flexfloor_jax.config import cli, settings
+from flexfloor_jax.config import files, settings
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.tokenizer import load_tokenizer
 from flexfloor_jax.policy.history import LengthHistory
@@ -35,7 +36,7 @@ from flexfloor_jax.sim import records as sim_records
 
 def get_bench_config(preset: str = "tiny"):
   """configs/bench.py's get_config() (loaded by path, as config_flags loads it)."""
-  return cli.load_config("bench", preset)
+  return files.load_config("bench", preset)
 
 
 def variants(st) -> list[tuple[str, dict]]:
@@ -95,7 +96,7 @@ def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
   runs: dict[str, list] = {n: [] for n in names}
   bar = tqdm(total=len(names) * st.bench.repeats, desc=f"epoch {k}", unit="run",
              disable=not progress, leave=True, file=sys.stderr)
-  for rep in range(st.bench.repeats):
+  for _ in range(st.bench.repeats):
     for name, v in variants(st):
       bar.set_postfix_str(name)
       c = run_config(st, v, k)
@@ -135,10 +136,10 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   s = res.summary
   m = _scalars(s)
   lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
-  kw = dict(steps_per_dispatch=c.rollout.steps_per_dispatch,
-            placement=c.scheduler.placement, compaction=c.scheduler.compaction,
-            epoch=k, sizes=s.get("release_sizes"), makespan_slack=c.scheduler.makespan_slack,
-            step_cost=s.get("step_cost", "measured"))
+  kw: dict[str, Any] = dict(
+      steps_per_dispatch=c.rollout.steps_per_dispatch, placement=c.scheduler.placement,
+      compaction=c.scheduler.compaction, epoch=k, sizes=s.get("release_sizes"),
+      makespan_slack=c.scheduler.makespan_slack, step_cost=s.get("step_cost", "measured"))
   if paged(s):
     kw["kv"] = pool_factory(c, s)
   args = (seqs, lengths, before, c.schedule, s["num_workers"], lanes(s), s["floor"])
@@ -161,13 +162,15 @@ def run_bench(config, st=None, *, progress: bool = True):
   (settings.load(config, "bench"), which raises ConfigError; loaded here when not given)."""
 
   st = settings.load(config, "bench") if st is None else st
+  bench = st.bench
+  assert bench is not None  # load(config, "bench") reads the bench section
   pool = engine_lib.StepCachePool()
-  hw = presets.HARDWARE[st.bench.roofline_hardware]
+  hw = presets.HARDWARE[bench.roofline_hardware]
   history = LengthHistory()
   names = [n for n, _ in variants(st)]
   epochs, timelines, records = [], {}, {}
   t_all = time.perf_counter()
-  for k in range(st.bench.epochs):
+  for k in range(bench.epochs):
     runs = _run_epoch(st, k, history, pool, progress)
     seqs, model_cfg = seqs_for(run_config(st, variants(st)[0][1], k))
     model = presets.Model.from_config(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e",
@@ -175,7 +178,7 @@ def run_bench(config, st=None, *, progress: bool = True):
     ep: dict = {"epoch": k}
     for name in names:
       per = []
-      for rep, (c, res, before, h) in enumerate(runs[name]):
+      for rep, (c, res, before, _h) in enumerate(runs[name]):
         m, lengths = _measure(c, res, before, seqs, k, model, hw)
         per.append(m)
         if rep == 0:
@@ -200,13 +203,13 @@ def run_bench(config, st=None, *, progress: bool = True):
       if paged(runs[name][0][1].summary):
         c0, s0 = runs[name][0][0], runs[name][0][1].summary
         merged["kv_margin"] = c0.rollout.kv_margin
-        merged["kv_fixed_slot_bytes"] = fixed_slot_kv_bytes(model_cfg, c0.rollout.slots_per_worker,
-                                                            s0["max_seq_len"])
+        merged["kv_fixed_slot_bytes"] = fixed_slot_kv_bytes(
+            model_cfg, c0.rollout.slots_per_worker, s0["max_seq_len"])
         ep.setdefault("kv_matches_sim", {})[name] = all(
             (p["kv_peak_pages"], p["preemptions"]) == (p["sim_kv_peak_pages"],
                                                        p["sim_preemptions"]) for p in per)
       ep[name] = merged
-      if st.bench.repeats > 1:
+      if bench.repeats > 1:
         ep.setdefault("repeats", {})[name] = {
             "throughput_tokens_per_s": [p["throughput_tokens_per_s"] for p in per],
             "device_steps": [p["device_steps"] for p in per]}

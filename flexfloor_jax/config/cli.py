@@ -1,20 +1,18 @@
-"""Shared bits of the command-line entry points: one-line errors, the --config flag with "did you
-mean" help for misspelled fields, and the rollout's input checks before any heavy import (the
-config's fields are checked by settings.load)."""
+"""Shared bits of the command-line entry points: one-line errors and the --config flag with "did
+you mean" help for misspelled fields (the config's fields are checked by settings.load)."""
 
-import importlib.util
-import os
 import re
 import sys
+from typing import NoReturn
 
 from absl import flags
 from ml_collections import config_flags
 
-# The checkout's root: configs/ lies beside the package.
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Re-exported: the entry points load config files by name through this module too.
+from flexfloor_jax.config.files import load_config as load_config
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
   """One clear line on stderr and a non-zero exit (no traceback for bad input)."""
   print(f"error: {msg}", file=sys.stderr)
   sys.exit(2)
@@ -23,7 +21,7 @@ def fail(msg: str) -> None:
 # ----------------------------------------------------------------------------- --config flag
 
 
-def unknown_override(err: Exception) -> None:
+def unknown_override(err: Exception) -> NoReturn:
   """A --config.a.b=v override naming a field the config lacks: ml_collections raises a bare
   KeyError/AttributeError (while the flag is defined, or while parsing): one line instead, with
   ml_collections' own "Did you mean" hint."""
@@ -46,7 +44,7 @@ def define_config(default: str, help_: str):
     unknown_override(e)
 
 
-def config_file_error(e: OSError) -> None:
+def config_file_error(e: OSError) -> NoReturn:
   lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
   fail(f"--config: {lines[-1] if lines else e}")
 
@@ -75,15 +73,4 @@ def config_loaded(config) -> None:
     config.mesh  # noqa: B018
   except OSError as e:
     config_file_error(e)
-
-
-def load_config(name: str, preset: str = ""):
-  """get_config(preset) of configs/<name>.py, loaded by path as config_flags loads config files
-  (so that it works from any working directory)."""
-  path = os.path.join(_REPO, "configs", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"_flexfloor_configs_{name}", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod.get_config(preset)
-
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NoReturn, cast
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,7 @@ class Reader:
   def name(self, field: str) -> str:
     return f"{self.prefix}.{field}" if self.prefix else field
 
-  def fail(self, field: str, what: str, v) -> None:
+  def fail(self, field: str, what: str, v) -> NoReturn:
     raise ConfigError(f"{self.name(field)}: must be {what}, got {v!r}")
 
   def raw(self, field: str, default=REQUIRED):
@@ -52,12 +53,13 @@ class Reader:
   def num(self, field: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False,
           hi_open: bool = False, default=REQUIRED, note: str = "") -> float:
     v = self.raw(field, default)
-    ok = (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
-          and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi))
+    real = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    x = cast(float, v)  # once `real`, a numbers.Real: it compares and converts as a float does
+    ok = real and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi)
     if not ok:
       iv = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open or hi == math.inf else ']'}"
       self.fail(field, f"a finite number in {iv}{note}", v)
-    return float(v)
+    return float(x)
 
   def choice(self, field: str, choices, default=REQUIRED, note: str = "") -> str:
     v = self.raw(field, default)

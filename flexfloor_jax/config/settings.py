@@ -1,7 +1,7 @@
 """The one step from a config to typed settings: a ConfigDict of configs/*.py becomes frozen
-dataclasses, one per section, with every field checked once, before any heavy import (numpy and
-the package's jax-free modules only). A bad value raises ConfigError, one line that starts with
-the field: `rollout.slots_per_worker: must be an integer >= 1, got 0`.
+dataclasses, one per section, with every field checked once, before the first JAX operation (this
+module imports numpy and the package's jax-free modules only). A bad value raises ConfigError,
+one line that starts with the field: `rollout.slots_per_worker: must be an integer >= 1, got 0`.
 
 `load(config, entry)` reads the sections every entry point shares (model, mesh, rollout,
 workload, sampling, schedule, scheduler) and the entry's own (ENTRIES: bench; rl + sft;
@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from flexfloor_jax.config.reader import DTYPES, EXCHANGES, ConfigError, Reader  # noqa: F401
+from flexfloor_jax.config.reader import DTYPES, EXCHANGES, ConfigError, Reader
 from flexfloor_jax.model.config import ATTENTION_BACKENDS, MOE_BACKENDS, PRESETS
 from flexfloor_jax.model.tokenizer import ByteTokenizer
 from flexfloor_jax.policy import costs, plan, workload
@@ -338,9 +338,11 @@ def load(config, entry: str = "rollout") -> Settings:
   r = Reader(config, "")
   preset = r.choice("preset", tuple(PRESETS))
   schedule = r.choice("schedule", plan.SCHEDULES)
-  parts = dict(model=_model(config), mesh=_mesh(config), rollout=_rollout(config),
-               workload=_workload(config), sampling=_sampling(config), scheduler=_scheduler(config))
-  m, ro = parts["model"], parts["rollout"]
+  parts: dict[str, Any] = dict(
+      model=_model(config), mesh=_mesh(config), rollout=_rollout(config),
+      workload=_workload(config), sampling=_sampling(config), scheduler=_scheduler(config))
+  m: ModelSettings = parts["model"]
+  ro: RolloutSettings = parts["rollout"]
   if m.max_seq_len and ro.max_prompt_len > m.max_seq_len:
     raise ConfigError(f"rollout.max_prompt_len={ro.max_prompt_len} exceeds model.max_seq_len="
                       f"{m.max_seq_len} (the prefill writes max_prompt_len positions into a KV "

@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from flexfloor_jax.engine import movers
 from flexfloor_jax.runtime import distributed
@@ -58,13 +58,16 @@ def move_on_devices(shards: dict, moves: Sequence[tuple], movers: dict) -> int:
   {name: {device: buffer}} (updated in place), `moves` (src device, src slot, dst device, dst
   slot), `movers` {device: movers}. Source slots are left
   as they are. Returns the bytes transferred."""
-  on = lambda d: {k: b[d] for k, b in shards.items()}
+
+  def on(d):
+    return {k: b[d] for k, b in shards.items()}
+
   moved = 0
   for rnd in move_rounds(moves):
     rows = [movers[sd].take(on(sd), movers[sd].slot[ss]) for sd, ss, _, _ in rnd]
     sent = jax.device_put(rows, [dd for _, _, dd, _ in rnd])  # one batched transfer
     del rows
-    for (_, _, dd, ds), row in zip(rnd, sent):
+    for (_, _, dd, ds), row in zip(rnd, sent, strict=True):
       for k, b in movers[dd].put(on(dd), row, movers[dd].slot[ds]).items():
         shards[k][dd] = b
     moved += sum(x.nbytes for x in jax.tree.leaves(sent))
@@ -77,7 +80,9 @@ def shards_by_device(arr: jax.Array) -> dict:
 
 def assemble(by_dev: dict, sharding: NamedSharding, shape, dtype) -> jax.Array:
   """Global array over `sharding`'s mesh from the buffers {device: buffer} (no copy)."""
-  devs = sharding.mesh.devices.reshape(-1)
+  mesh = sharding.mesh
+  assert isinstance(mesh, Mesh)  # a concrete sharding: its mesh has devices
+  devs = mesh.devices.reshape(-1)
   if jax.process_count() > 1:  # this process's devices only (maybe none: all released)
     devs = [d for d in devs if d.process_index == jax.process_index()]
   return jax.make_array_from_single_device_arrays(shape, sharding, [by_dev[d] for d in devs],
@@ -130,8 +135,8 @@ def route_rows(rows: dict, dst_of_src: dict, devs: list) -> dict:
   moved = fn({k: rows[k] for k in names})
   out = {}
   for name in rows:
-    local = shards_by_device(moved[name])
-    out[name] = {d: local[d] for d in dst_of_src.values() if d in local}
+    held = shards_by_device(moved[name])
+    out[name] = {d: held[d] for d in dst_of_src.values() if d in held}
   return out
 
 
@@ -233,7 +238,10 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
   pm = steps.page_movers(touched)
   pools = state.page_dict()
   shards = {k: shards_by_device(a) for k, a in pools.items()}
-  on = lambda d: {k: b[d] for k, b in shards.items()}
+
+  def on(d):
+    return {k: b[d] for k, b in shards.items()}
+
   if _holds_all(moves):
     batches = [list(range(len(moves)))]
   else:
@@ -245,7 +253,7 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
              for i in batch]
     sent = jax.device_put(taken, [devices[moves[i][2]] for i in batch])
     del taken
-    for i, pages in zip(batch, sent):
+    for i, pages in zip(batch, sent, strict=True):
       d = devices[moves[i][2]]
       for k, b in pm[d].put(on(d), pages, pm[d].ids(page_moves[i][1])).items():
         shards[k][d] = b
@@ -274,7 +282,7 @@ def _migrate_paged_spmd(stepset, active: Sequence[int], state, moves, page_moves
   n, pad = stepset.mesh.size, stepset.spec.num_pages
   c = movers.page_block(stepset.spec.pages_per_seq)
   chunks = [(pos[sw], src[j:j + c], pos[dw], dst[j:j + c])
-            for (sw, _, dw, _), (src, dst) in zip(moves, page_moves)
+            for (sw, _, dw, _), (src, dst) in zip(moves, page_moves, strict=False)
             for j in range(0, len(src), c)]
   devs = list(stepset.mesh.devices.reshape(-1))
   pools = state.page_dict()
@@ -302,7 +310,7 @@ class Release:
   """What `release` did: the arrays over the smaller mesh and what moved."""
   experts: dict
   state: Any
-  placement: Any  # the new placement.ExpertPlacement
+  placement: Any  # the new expert_placement.ExpertPlacement
   released: list
   expert_moves: int
   expert_bytes: int
@@ -361,7 +369,7 @@ def _move_experts_spmd(old_ss, new_ss, devices, active, new_active, experts, mov
         pieces.append((dw, ds, sent))
       continue
     routed = route_rows(taken, {sp: devices[dw] for sp, _, dw, _ in rnd}, devs_old)
-    for sp, _, dw, ds in rnd:
+    for _, _, dw, ds in rnd:
       moved_bytes += sum(a.nbytes // len(devs_old) for a in taken.values())
       pieces.append((dw, ds, {name: r.get(devices[dw]) for name, r in routed.items()}))
   experts = shrink_tree(experts, new_ss.abstract_experts)
@@ -372,6 +380,7 @@ def _move_experts_spmd(old_ss, new_ss, devices, active, new_active, experts, mov
   # index is -1: the insert drops it); the extract's blocks have a shard on every survivor.
   filler = taken
   while pieces:
+    assert filler is not None  # pieces come from an extract
     idx = np.full((len(new_active),), -1, np.int32)
     busy, later, rnd = set(), [], []
     for pc in pieces:
@@ -381,7 +390,7 @@ def _move_experts_spmd(old_ss, new_ss, devices, active, new_active, experts, mov
     block = {}
     for name in taken_abs:
       bufs = {}
-      for dw, ds, b in rnd:
+      for dw, _, b in rnd:
         if b[name] is not None:  # None: the destination is another process's device
           bufs[devs_new[new_pos[dw]]] = b[name]
       block[name] = reassemble(filler[name], taken_abs[name].sharding, taken_abs[name].shape,

@@ -33,6 +33,7 @@ from flexfloor_jax.engine.step_set import StepCache, StepSet
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.policy.controller import Finish, dispatch_stops, finish_reason
 from flexfloor_jax.policy.expert_placement import ExpertPlacement
+from flexfloor_jax.policy.pages import PagePool
 from flexfloor_jax.runtime import distributed
 from flexfloor_jax.runtime import mesh as mesh_lib
 
@@ -41,7 +42,7 @@ class Engine:
   """Executes prefill / decode / migrate / shrink on the active workers. Worker ids are indices
   into `devices`; the active workers are always a tail of `chain` (release order)."""
 
-  def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[jax.Device],
+  def __init__(self, spec: EngineSpec, params: tfm.Params, devices: Sequence[mesh_lib.Device],
                chain: Sequence[int], placement: ExpertPlacement, *, seed: int = 0,
                epoch: int = 0, step_cache: StepCache | None = None,
                prefetch_sizes: Sequence[int] = (), compile_threads: int = 0,
@@ -65,7 +66,8 @@ class Engine:
     # The replicated weights never change: their views over every smaller mesh (the same
     # buffers) are made now, not when a release waits for them.
     self._rest_views = {m: jax.tree.map(
-        lambda a: elastic.reassemble(a, mesh_lib.replicated(self.steps.mesh_for(m)), a.shape),
+        lambda a, m=m: elastic.reassemble(a, mesh_lib.replicated(self.steps.mesh_for(m)),
+                                          a.shape),
         self.rest) for m in range(1, n)}
     self.experts = slot_layout(experts, placement.slot_expert()[self.active],
                                ss.expert_sharding["w1"])
@@ -81,7 +83,7 @@ class Engine:
     self._migrate_t0: float | None = None  # a plan's migration: its release decision time
     self.release_latencies: list[float] = []
     self.release_sizes: list[int] = []  # active workers on the mesh each latency was timed on
-    self.pages = None  # paged KV: the host's page pool (attach_pages)
+    self.pages: PagePool | None = None  # paged KV: the host's page pool (attach_pages)
     self._tables: np.ndarray | None = None  # page tables the device last got [W, B, M]
     self._kept: dict[int, tuple[list, list]] = {}  # preempted seq -> (tokens, logprobs) so far
     self.preemptions = 0
@@ -112,8 +114,8 @@ class Engine:
   def _page_tables(self) -> np.ndarray:
     if self.pages is None:
       raise RuntimeError("paged KV: attach_pages(pool) before the first step")
-    self._tables = self.pages.tables()
-    return self._tables
+    tables = self._tables = self.pages.tables()
+    return tables
 
   def add_sequences(self, seqs: dict[int, SeqInput]):
     lp = self.spec.max_prompt_len
@@ -178,8 +180,10 @@ class Engine:
     self._migrate_t0 = None
     ss = self.stepset
     tables = self._page_tables()[self.active] if self.spec.paged else None
-    host = lambda k: ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables),
-                                 self.e2s)
+
+    def host(k):
+      return ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables), self.e2s)
+
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
       # First step on a new mesh alone, to time release decision -> first output.
@@ -203,6 +207,7 @@ class Engine:
   def _first_output_on_new_mesh(self, out):
     """Release decision -> first output on the new mesh (block_until_ready), recorded once."""
     jax.block_until_ready(out)
+    assert self._pending_release_t0 is not None  # callers check that a release is pending
     self.release_latencies.append(time.perf_counter() - self._pending_release_t0)
     self.release_sizes.append(len(self.active))
     self._pending_release_t0 = None
@@ -273,17 +278,20 @@ class Engine:
       # The pool has moved the rows already. The data is in the pages of the tables the device
       # last got (a table only grows at its end: pages taken since hold nothing yet), and goes
       # to the first as many pages of the destination's new table.
-      page_moves, m = [], self.pages.num_pages
+      pool, last = self.pages, self._tables
+      assert pool is not None and last is not None  # both set by attach_pages
+      page_moves, m = [], pool.num_pages
       for sw, ss, dw, ds in moves:
-        src = self._tables[sw, ss][self._tables[sw, ss] < m]
-        dst = self.pages.table(dw)[ds, :len(src)]
-        if len(src) > self.pages.owned(dw, ds):
+        src = last[sw, ss][last[sw, ss] < m]
+        dst = pool.table(dw)[ds, :len(src)]
+        if len(src) > pool.owned(dw, ds):
           raise RuntimeError(f"migration {(sw, ss, dw, ds)}: {len(src)} pages with data, "
-                             f"{self.pages.owned(dw, ds)} at the destination")
+                             f"{pool.owned(dw, ds)} at the destination")
         page_moves.append((src, dst))
     self.state, kv_bytes = elastic.migrate(self.steps, self.devices, self.active, self.state,
                                            moves, page_moves)
     if self.spec.paged:
+      assert self.pages is not None  # set by attach_pages
       self._tables = self.pages.tables()
     for sw, s_, dw, ds in moves:
       if (sw, s_) in self._seq_in_slot:

@@ -7,13 +7,13 @@ Bytes one device of the active group holds:
 - KV: the KV caches of the worker's decode slots and their slot state (tokens, log-probs, ...);
 - workspace: what a release or a migration holds in flight on a device. elastic.move_on_devices
   moves in rounds that touch a device at most once as source and once as destination, one expert
-  slot (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows may
-  still be alive when the next one's arrive: 2 expert slots + 2 sequence rows.
+  slot (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows
+  may still be alive when the next one's arrive: 2 expert slots + 2 sequence rows.
 XLA's temporaries inside a compiled step are not live arrays and are not counted here (on a device,
 `compiled.memory_analysis()` reports them).
 
-The runner takes the floor from these terms, and tests/test_elastic.py checks them against the
-bytes that `jax.live_arrays()` shows on each device at every mesh size of the tiny preset.
+The runner takes the floor from these terms, and tests/engine/test_elastic.py checks them against
+the bytes that `jax.live_arrays()` shows on each device at every mesh size of the tiny preset.
 """
 
 from __future__ import annotations
@@ -54,10 +54,8 @@ def _nbytes(tree) -> int:
 def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
                 record_routes: bool = False) -> FloorTerms:
   """The terms from the shapes of the model's parameters and of the engine's per-worker arrays."""
-
-
   # shapes without tracing (the runner computes the floor before every input check has passed);
-  # tests/test_presets.py checks them against jax.eval_shape of the init
+  # tests/model/test_presets.py checks them against jax.eval_shape of the init
   params = tfm.param_shapes(model_cfg)
   rest, experts = engine_lib.split_params(params)
   expert = _nbytes(experts) // model_cfg.num_experts

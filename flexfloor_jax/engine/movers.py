@@ -115,7 +115,7 @@ class SlotMovers:
   launch, which on emulated devices is most of a release). A taken slot is one flat buffer
   holding all its weights: one transfer per moved expert."""
 
-  def __init__(self, shard_abstract: dict, device: jax.Device, slots: int):
+  def __init__(self, shard_abstract: dict, device: mesh_lib.Device, slots: int):
     sh = SingleDeviceSharding(device)
     tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
             for k, v in shard_abstract.items()}
@@ -131,7 +131,7 @@ class SlotMovers:
     def put(t, row, i):
       parts = jnp.split(row, ends[:-1])
       return {k: jax.lax.dynamic_update_slice_in_dim(x, p.reshape(row_shapes[k]), i, axis=1)
-              for (k, x), p in zip(t.items(), parts)}
+              for (k, x), p in zip(t.items(), parts, strict=True)}
 
     self.take = jax.jit(take).lower(tree, idx).compile()
     row = jax.ShapeDtypeStruct((int(ends[-1]),), next(iter(tree.values())).dtype, sharding=sh)
@@ -149,7 +149,7 @@ class RowMovers:
   `take` on its source device, one transfer and a `put` on its destination, instead of an SPMD
   extract and insert on every device of the mesh per round."""
 
-  def __init__(self, shard_abstract: dict, device: jax.Device, rows: int):
+  def __init__(self, shard_abstract: dict, device: mesh_lib.Device, rows: int):
     sh = SingleDeviceSharding(device)
     tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
             for k, v in shard_abstract.items()}
@@ -178,7 +178,7 @@ class PageMovers:
   (padding entries write nothing) and donates the pool. A migrated sequence moves only its live
   pages, into the page ids its destination's page table names."""
 
-  def __init__(self, shard_abstract: dict, device: jax.Device, pages_per_seq: int):
+  def __init__(self, shard_abstract: dict, device: mesh_lib.Device, pages_per_seq: int):
     sh = SingleDeviceSharding(device)
     tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh)
             for k, v in shard_abstract.items()}

@@ -70,4 +70,4 @@ def sample_one(logits_V: jax.Array, key_data: jax.Array, n: jax.Array, sp: Sampl
 
 
 def sample(logits_BV, key_data_B2, n_B, sp: SamplingParams):
-  return jax.vmap(lambda l, k, n: sample_one(l, k, n, sp))(logits_BV, key_data_B2, n_B)
+  return jax.vmap(lambda lg, k, n: sample_one(lg, k, n, sp))(logits_BV, key_data_B2, n_B)

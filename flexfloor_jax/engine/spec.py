@@ -45,8 +45,8 @@ class EngineSpec:
   kv: str = "slots"
   page_size: int = 16
   num_pages: int = 0  # pages per worker (paged KV)
-  # paged decode attention: 'xla' (flexfloor_jax.kernels.paged_attention's reference) | 'pallas' (JAX's
-  # paged-attention kernels; interpreted on CPU)
+  # paged decode attention: 'xla' (flexfloor_jax.kernels.paged_attention's reference) | 'pallas'
+  # (JAX's paged-attention kernels; interpreted on CPU)
   attention_backend: str = "xla"
 
   def __post_init__(self):
@@ -136,7 +136,10 @@ def merge_params(rest: tfm.Params, experts: dict) -> tfm.Params:
 def abstract_split(params: tfm.Params) -> tuple:
   """(non-expert, expert) shapes of `params` (what a StepCache compiles for)."""
   rest, experts = split_params(params)
-  shape = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+
+  def shape(t):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+
   return shape(rest), shape(experts)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +53,14 @@ class Scalars:
   stop_eos: jax.Array  # bool
   key: jax.Array  # uint32[2] sequence key
 
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it (dataclasses.replace)
+    def replace(self, **changes: Any) -> Scalars: ...
+
   @classmethod
   def unpack(cls, a: jax.Array) -> Scalars:
-    col = lambda name: a[:, _SCALAR[name]]
+    def col(name):
+      return a[:, _SCALAR[name]]
+
     return cls(tokens=col("tokens"), positions=col("positions"), live=col("live") != 0,
                n_gen=col("n_gen"), limit=col("limit"), stop_eos=col("stop_eos") != 0,
                key=jax.lax.bitcast_convert_type(
@@ -79,6 +85,9 @@ class DecodeState:
   k_pages: jax.Array | None = None
   v_pages: jax.Array | None = None
 
+  if TYPE_CHECKING:  # flax.struct.dataclass adds it (dataclasses.replace)
+    def replace(self, **changes: Any) -> DecodeState: ...
+
   def as_dict(self) -> dict:
     """{name: array} of the fields present (elastic.py moves rows by name)."""
     names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes", "k_pages", "v_pages")
@@ -97,10 +106,12 @@ class DecodeState:
 
   @property
   def cache(self) -> tfm.KVCache:
+    assert self.k is not None and self.v is not None  # fixed slots (spec.kv == 'slots')
     return tfm.KVCache(self.k, self.v)
 
   @property
   def paged(self):
+    assert self.k_pages is not None and self.v_pages is not None  # spec.kv == 'paged'
     return PagedKVCache(self.k_pages, self.v_pages)
 
 
@@ -119,13 +130,15 @@ def state_shapes(spec, n: int) -> DecodeState:
     kv = jax.ShapeDtypeStruct((cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads,
                                cfg.head_dim), tfm.dtype_of(cfg))
     kv_fields = {}
-  return DecodeState(
+  # ShapeDtypeStructs in the fields that hold arrays in the concrete state
+  fields: dict[str, Any] = dict(
       k=kv, v=kv, **kv_fields,
       scalars=jax.ShapeDtypeStruct((nb, len(SCALAR_COLS)), jnp.int32),
       out_tokens=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
       out_logprobs=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
       routes=jax.ShapeDtypeStruct((nb, spec.max_seq_len, cfg.num_layers, cfg.top_k), jnp.int32)
       if spec.record_routes else None)
+  return DecodeState(**fields)
 
 
 def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,

@@ -27,7 +27,8 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def _abstract(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree,
+                      shardings)
 
 
 class StepSet:
@@ -41,7 +42,10 @@ class StepSet:
     self.expert_sharding = mesh_lib.tree_shardings(mesh, tfm.param_specs(experts_abstract))
     self.cache_sharding = mesh_lib.named(mesh, cache_spec())
     shapes = state_lib.state_shapes(spec, n)
-    rows = lambda x: mesh_lib.named(mesh, mesh_lib.batch_spec(len(x.shape)))
+
+    def rows(x):
+      return mesh_lib.named(mesh, mesh_lib.batch_spec(len(x.shape)))
+
     self.state_sharding = jax.tree.map(rows, shapes)
     if spec.paged:
       self.pages_sharding = mesh_lib.named(mesh, pages_spec())
@@ -136,7 +140,10 @@ class StepSet:
     valid mover indices: XLA:CPU compiles a kernel at its first execution, so a loop body (decode
     steps, grouped-matmul tiles) or an in-range insert that warm-up skipped would be compiled on
     the first real call after a release."""
-    zeros = lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding)
+
+    def zeros(a):
+      return jnp.zeros(a.shape, a.dtype, device=a.sharding)
+
     n, lp = self.mesh.size, self.spec.max_prompt_len
     e2s = np.zeros((self.spec.cfg.num_experts,), np.int32)
     rest, experts, st = jax.tree.map(zeros, self.prefill_args_abstract()[:-1])
@@ -183,7 +190,7 @@ class StepCache:
   whose devices have no movers yet takes the SPMD extract/insert path of the StepSets instead
   (compiled with them), so no move ever waits for a compile."""
 
-  def __init__(self, spec: EngineSpec, devices: Sequence[jax.Device], chain: Sequence[int],
+  def __init__(self, spec: EngineSpec, devices: Sequence[mesh_lib.Device], chain: Sequence[int],
                rest_abstract, experts_abstract, *, compile_threads: int = 0):
     self.spec, self.devices, self.chain = spec, list(devices), list(chain)
     self._abs = (rest_abstract, experts_abstract)
@@ -328,7 +335,9 @@ class StepCachePool:
     self.hits = self.misses = 0
 
   def _key(self, spec, devices, chain, rest_abs, exp_abs):
-    shapes = lambda t: tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t))
+    def shapes(t):
+      return tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t))
+
     return (spec, tuple(d.id for d in devices), tuple(chain), str(jax.tree.structure(rest_abs)),
             shapes(rest_abs), shapes(exp_abs))
 

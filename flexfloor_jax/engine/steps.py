@@ -28,12 +28,16 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
   slot_P, eos_P, limit_P = c["slot"], c["stop_eos"] != 0, c["limit"]
   seed, epoch = c["seed"][0], c["epoch"][0]
   ep = spec.ep(n, spec.prefill_tile_m)
-  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
+  def moe_fn(x, lp, valid):
+    return ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
   active = slot_P >= 0
   lengths = jnp.where(active, c["length"], 0)
   logits, k, v, aux = tfm.prefill(merge_params(rest, experts), cfg, tokens_PT, lengths,
                                   moe_fn=moe_fn)
   if spec.paged:
+    assert table_PM is not None  # the host rows carry page tables when spec.paged
     pool = insert_paged(st.paged, k, v, table_PM, lengths)
     kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
   else:
@@ -41,12 +45,15 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
     kv = dict(k=cache.k, v=cache.v)
   gen_P = c["generated"]
   keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, c["phash"], c["sample"])
-  tok, lp = jax.vmap(lambda l, kd, g: sample_one(l, kd, g, spec.sampling))(logits, keys, gen_P)
+  tok, lp = jax.vmap(lambda lg, kd, g: sample_one(lg, kd, g, spec.sampling))(logits, keys, gen_P)
   sc = st.slot_scalars()
   b = sc.tokens.shape[0]
   idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
   done = (limit_P <= gen_P + 1) | (eos_P & (tok == cfg.eos_id))
-  upd = lambda a, val: a.at[idx].set(val, mode="drop")
+
+  def upd(a, val):
+    return a.at[idx].set(val, mode="drop")
+
   sc = sc.replace(tokens=upd(sc.tokens, tok), positions=upd(sc.positions, lengths),
                   live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, gen_P + 1),
                   limit=upd(sc.limit, limit_P), stop_eos=upd(sc.stop_eos, eos_P),
@@ -75,7 +82,10 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   ep = spec.ep(n, spec.decode_tile_m)
   axis = ep.axis
   params = merge_params(rest, experts)
-  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
+  def moe_fn(x, lp, valid):
+    return ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
   rows = jnp.arange(b)
   max_new = spec.max_new_tokens
   attention = spec.paged_attention() if spec.paged else None
@@ -84,6 +94,8 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
     st, sc, i, _, counts = carry
     live = sc.live
     if spec.paged:
+      # the host rows carry page tables, and the spec an attention function, when spec.paged
+      assert table_BM is not None and attention is not None
       logits, pool, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens, sc.positions,
                                        live, moe_fn=moe_fn, attention=attention)
       kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)

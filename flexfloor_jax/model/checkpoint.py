@@ -1,6 +1,6 @@
-"""Checkpoints on disk: which format a directory holds, orbax save and restore, and the finite checks
-of loaded weights. Hugging Face directories are read by `hf_checkpoint`; `load_checkpoint` and
-`inspect_checkpoint` take either.
+"""Checkpoints on disk: which format a directory holds, orbax save and restore, and the finite
+checks of loaded weights. Hugging Face directories are read by `hf_checkpoint`; `load_checkpoint`
+and `inspect_checkpoint` take either.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _check_params(params: Params, where: str, cfg: ModelConfig) -> None:
       raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' has dtype {x.dtype}; "
                             f"the model's dtype is {cfg.dtype}")
   ok = finite_flags(x for _, x in leaves)
-  for (kp, _), good in zip(leaves, ok):
+  for (kp, _), good in zip(leaves, ok, strict=True):
     if not good:
       raise CheckpointError(f"{where}: tensor '{jax.tree_util.keystr(kp)}' holds NaN or "
                             f"infinite values (as {cfg.dtype})")

@@ -1,4 +1,5 @@
-"""Model dimensions. A checkpoint's config.json overrides every field here (see hf_checkpoint.py)."""
+"""Model dimensions. A checkpoint's config.json overrides every field here (see
+hf_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
   takes its Mosaic GPU kernel only for bf16/fp16 operands of one dtype with K % 64 == 0 and either
   tiles of 8..56 rows (multiples of 8: the swapped kernel) with N % 64 == 0 or tiles of 64 rows or
   a multiple of 128 with N % 128 == 0, and the XLA loop otherwise (e.g. fp32, the tiny preset; see
-  `flexfloor_jax.kernels.gmm_mgpu.mgpu_supported`). The engine's decode and prefill tiles (8, 32) and the
-  actor's (8) take the swapped kernel, clear of the row-major kernel's race at tile_m 128 with
-  K/64 = 5 or 6 (README "Device check").
+  `flexfloor_jax.kernels.gmm_mgpu.mgpu_supported`). The engine's decode and prefill tiles (8, 32)
+  and the actor's (8) take the swapped kernel, clear of the row-major kernel's race at tile_m 128
+  with K/64 = 5 or 6 (README "Device check").
   'pallas': the Pallas kernels; on CPU in interpret mode (the parity-test path).
   'xla': the XLA references everywhere.
   """
@@ -102,7 +103,7 @@ def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
 BYTE_VOCAB = 259
 
 PRESETS = {
-    # The Mixtral architecture at a size that runs in seconds on 2 CPU cores.
+    # The Mixtral architecture at a size that runs in seconds on a laptop CPU.
     "tiny": ModelConfig(vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256,
                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32, num_experts=8,
                         top_k=2, rope_theta=10000.0, rms_eps=1e-5, sliding_window=None,

@@ -57,20 +57,20 @@ _FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")
 def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> ModelConfig:
   """ModelConfig from a Mixtral config.json dict; every dimension comes from the file."""
 
-  def field(name, default=KeyError):
+  def field(name, default: Any = KeyError):  # KeyError: required
     if name in hf:
       return hf[name]
     if default is KeyError:
       raise CheckpointError(f"{source}: missing field '{name}'")
     return default
 
-  def int_field(name, default=KeyError):
+  def int_field(name, default: Any = KeyError) -> Any:  # an int, or the file's null
     v = field(name, default)
     if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
       raise CheckpointError(f"{source}: field '{name}' must be an integer, got {v!r}")
     return v
 
-  def num_field(name, default=KeyError):
+  def num_field(name, default: Any = KeyError):
     v = field(name, default)
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
       raise CheckpointError(f"{source}: field '{name}' must be a finite number, got {v!r}")
@@ -155,13 +155,14 @@ def _inventory(path: str) -> dict[str, _Entry]:
     weight_map = read_json(index_path).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
       raise CheckpointError(f"{index_path}: missing or empty field 'weight_map'")
-    files: dict[str, list[str]] = {}
+    by_file: dict[str, list[str]] = {}
     for key, fname in weight_map.items():
-      files.setdefault(fname, []).append(key)
-    for fname, keys in files.items():
+      by_file.setdefault(fname, []).append(key)
+    for fname, keys in by_file.items():
       if not os.path.exists(os.path.join(path, fname)):
         raise CheckpointError(f"{index_path}: file '{fname}' named for key '{keys[0]}' "
                               f"(and {len(keys) - 1} more) does not exist in {path}")
+    files: dict[str, list[str] | None] = dict(by_file)
   else:
     names = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not names:

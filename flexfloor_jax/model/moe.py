@@ -13,7 +13,8 @@ Two exchanges (`EPConfig.exchange`), bitwise the same result:
   directions), `ragged_all_to_all` of the rows and their slot ids into a static worst-case
   [N*tokens*k, D] receive buffer (rows past the received total carry slot -1), and back into the
   packed layout. Only routed rows cross the interconnect. XLA:CPU has no ragged_all_to_all: there
-  it runs kernels/ragged_exchange.py's reference (a padded all_to_all), on TPU/GPU the native op.
+  it runs the reference of `flexfloor_jax.kernels.ragged_exchange` (a padded all_to_all), on
+  TPU/GPU the native op.
 The expert side sees the received rows in the same order on both paths (by source worker, then
 by token), so the tiles and their GEMMs are identical.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +79,9 @@ class EPConfig:
 
   @property
   def axis(self) -> str:
-    return mesh_axis("expert")
+    axis = mesh_axis("expert")
+    assert axis is not None  # expert slots are split over the workers
+    return axis
 
 
 def _dest_positions(dest_R: jax.Array, valid_R: jax.Array, n: int, cap: int) -> jax.Array:
@@ -101,8 +105,8 @@ def _pack(x_TD, slot_R, valid_R, pos_R, rows: int, ep: EPConfig):
 
 def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
   # num_groups: the weights may be the stack of every layer's slots, the tiles reference one layer's
-  kw = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
-            num_groups=ep.slots_per_worker)
+  kw: dict[str, Any] = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
+                            num_groups=ep.slots_per_worker)
   h1 = grouped_matmul(x_PD, w1, plan.tile_group, plan.num_tiles_used, **kw)
   h3 = grouped_matmul(x_PD, w3, plan.tile_group, plan.num_tiles_used, **kw)
   return grouped_matmul(jax.nn.silu(h1) * h3, w2, plan.tile_group, plan.num_tiles_used, **kw)
@@ -143,7 +147,7 @@ def _exchange(cap, ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   the received rows, all_to_all back and the weighted combine."""
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
-  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  kw: dict[str, Any] = dict(impl=ep.backend, interpret=ep.interpret)
   send_pos_R = _dest_positions(slot_R // s, valid_R, n, cap)
   send_SD, send_slot = _pack(x_TD, slot_R, valid_R, send_pos_R, n * cap, ep)
 
@@ -161,7 +165,7 @@ def _exchange_ragged(ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
   r = t * k
-  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  kw: dict[str, Any] = dict(impl=ep.backend, interpret=ep.interpret)
   dest_R = slot_R // s
   counts_N = jnp.bincount(jnp.where(valid_R, dest_R, n), length=n + 1)[:n].astype(jnp.int32)
   start_N = jnp.cumsum(counts_N) - counts_N
@@ -191,8 +195,8 @@ def _exchange_ragged(ep: EPConfig, x_TD, lp, slot_R, valid_R, weights_TK):
 
 def _expert_side(recv_RD, recv_slot_R, lp, ep: EPConfig):
   """Received rows (slot -1: not a copy) -> expert MLP outputs in the same row order."""
-  (rows, d), s = recv_RD.shape, ep.slots_per_worker
-  kw = dict(impl=ep.backend, interpret=ep.interpret)
+  (rows, _), s = recv_RD.shape, ep.slots_per_worker
+  kw: dict[str, Any] = dict(impl=ep.backend, interpret=ep.interpret)
   # Group received rows by local slot in the padded tile layout.
   plan = make_plan(recv_slot_R, s, ep.tile_m, padded_rows(rows, s, ep.tile_m))
   x_PD = permute(recv_RD, plan.row_src, **kw)
@@ -200,10 +204,14 @@ def _expert_side(recv_RD, recv_slot_R, lp, ep: EPConfig):
   # are rows layer*S .. layer*S+S-1, so no layer's weights are copied out per step.
   # (A caller may also pass one layer's [S, ...] weights, without 'layer'.)
   if "layer" in lp:
-    stack = lambda w: w.reshape((-1,) + w.shape[2:])
+    def stack(w):
+      return w.reshape((-1,) + w.shape[2:])
+
     plan = plan.replace(tile_group=plan.tile_group + lp["layer"] * s)
   else:
-    stack = lambda w: w
+    def stack(w):
+      return w
+
   y_PD = _expert_mlp(x_PD, stack(lp["w1"]), stack(lp["w3"]), stack(lp["w2"]), plan, ep)
   return permute(y_PD, plan.row_dst, **kw)
 

@@ -1,9 +1,10 @@
 """The decoder's KV cache as a pool of fixed-size pages, read and written through page tables.
 
 `PagedKVCache` holds one worker's pool: k_pages, v_pages [num_layers, K, num_pages, page_size, hd]
-(kv-head major, the layout of `flexfloor_jax.kernels.paged_attention`). A row's page table [M] names the pages
-holding its positions in order (position t: page table[t // page_size], offset t % page_size; an
-entry < 0 is "no page"). Which pages a row owns is decided by the caller: nothing here allocates.
+(kv-head major, the layout of `flexfloor_jax.kernels.paged_attention`). A row's page table [M]
+names the pages holding its positions in order (position t: page table[t // page_size], offset
+t % page_size; an entry < 0 is "no page"). Which pages a row owns is decided by the caller: nothing
+here allocates.
 With M * page_size equal to a fixed-slot cache's length and the same values in the pages,
 `decode_paged` is bitwise equal to `transformer.decode` for every live row (tested): the default
 attention gathers the pages and runs the same attention math.
@@ -22,7 +23,8 @@ from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
 
 # attention(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B, *, sliding_window)
-# -> [B, H, hd]: `flexfloor_jax.kernels.paged_attention.paged_attention` with an impl bound, or its reference.
+# -> [B, H, hd]: `flexfloor_jax.kernels.paged_attention.paged_attention` with an impl bound, or its
+# reference.
 PagedAttentionFn = Callable[..., jax.Array]
 
 

@@ -13,10 +13,18 @@ from flexfloor_jax.model.config import BYTE_VOCAB
 
 
 class Tokenizer(Protocol):
-  vocab_size: int
-  bos_id: int | None
-  eos_id: int | None
-  pad_id: int | None
+  # read-only: a tokenizer whose ids are always set (ByteTokenizer's ints) is one too
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def bos_id(self) -> int | None: ...
+
+  @property
+  def eos_id(self) -> int | None: ...
+
+  @property
+  def pad_id(self) -> int | None: ...
 
   def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 

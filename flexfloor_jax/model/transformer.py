@@ -10,7 +10,8 @@ Params are a nested dict (layers stacked on a leading axis and run with `lax.sca
           mlp_norm [L, D]; router [L, D, E]; w1, w3 [L, E, D, F]; w2 [L, E, F, D]
 Expert weights may instead be in the expert-parallel *slot* layout [L, N*S, ...] (see moe.py);
 the MoE function passed in (`moe_fn`) decides how they are read. `PARAM_AXES` names every leaf's
-logical axes (mesh.py maps them to mesh axes: `param_specs`); `EXPERT_KEYS` are the expert stacks.
+logical axes (runtime/mesh.py maps them to mesh axes: `param_specs`); `EXPERT_KEYS` are the expert
+stacks.
 
 The forward functions are written for one worker's local batch: under expert parallelism they run
 inside `shard_map` and only `moe_fn` communicates.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import flax.struct
 import jax
@@ -134,7 +135,10 @@ def param_shapes(cfg: ModelConfig) -> Params:
   `abstract_params`, tested): what the memory floor is computed from before any input check has
   passed."""
   dt = dtype_of(cfg)
-  s = lambda shape: jax.ShapeDtypeStruct(shape, dt)
+
+  def s(shape):
+    return jax.ShapeDtypeStruct(shape, dt)
+
   d, v = cfg.hidden_size, cfg.vocab_size
   return {"embed": s((v, d)), "layers": {k: s(v_) for k, v_ in _layer_shapes(cfg).items()},
           "final_norm": s((d,)), "lm_head": s((d, v))}
@@ -197,7 +201,8 @@ def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array, k_valid_BS: jax.Arr
   return mask
 
 
-def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
+           mask_BTS: jax.Array) -> jax.Array:
   """GQA attention, softmax in fp32. Per-sequence math only: batch rows never mix."""
   b, t, h, hd = q_BTHD.shape
   kh = k_BSKD.shape[2]
@@ -272,9 +277,24 @@ def _logits(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 # ----------------------------------------------------------------------------- entry points
 
 
+@overload
 def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
             valid_BT: jax.Array | None = None, moe_fn: MoEFn | None = None,
-            return_hidden: bool = False, route_LBTK: jax.Array | None = None):
+            return_hidden: Literal[False] = False,
+            route_LBTK: jax.Array | None = None) -> tuple[jax.Array, dict]: ...
+
+
+@overload
+def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
+            valid_BT: jax.Array | None = None, moe_fn: MoEFn | None = None,
+            return_hidden: Literal[True],
+            route_LBTK: jax.Array | None = None) -> tuple[jax.Array, dict, jax.Array]: ...
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
+            valid_BT: jax.Array | None = None, moe_fn: MoEFn | None = None,
+            return_hidden: bool = False, route_LBTK: jax.Array | None = None
+            ) -> tuple[jax.Array, dict] | tuple[jax.Array, dict, jax.Array]:
   """Full-sequence causal logits [B, T, V] (fp32), no cache. Right padding: pass valid_BT.
   `route_LBTK`: routing replay, the experts each layer must use for each token."""
   moe_fn = moe_fn or default_moe_fn(cfg)
@@ -298,7 +318,8 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
 
 @flax.struct.dataclass
 class KVCache:
-  """Per-slot KV cache: k, v [num_layers, B, S, K, hd]. Slot b's token at position p is at [:, b, p]."""
+  """Per-slot KV cache: k, v [num_layers, B, S, K, hd]. Slot b's token at position p is at
+  [:, b, p]."""
   k: jax.Array
   v: jax.Array
 

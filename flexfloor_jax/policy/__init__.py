@@ -7,12 +7,11 @@ history     length history: response lengths by prompt and epoch, and its file
 prediction  predicted lengths, length scenarios, prediction quality, from the history
 scheduler   placements: static, balanced, FlexFloor (and the predict -> place pipeline)
 floor       the fewest workers that hold the model, and the group sizes a release may leave
-planner     release/compaction policy: when workers go and which sequences move
-placement   expert placement table (expert -> worker, slot) and how a release changes it
-footprint   parameter counts and expert slots from a model's dimensions
+release_policy    release/compaction policy: when workers go and which sequences move
+expert_placement  expert placement table (expert -> worker, slot) and how a release changes it
 compile_plan  which mesh sizes (and which devices' movers) compile first: the plan's replay
 accounting  timeline of a rollout -> the metrics of summary.json, timeline plot
 
 The JAX engine and the cluster simulator both import this package, so what is simulated is what
-runs. Importing it must not pull in jax (tests/test_policy_imports.py checks that).
+runs. Importing it must not pull in jax (tests/test_layout.py checks that).
 """

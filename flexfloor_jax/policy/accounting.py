@@ -20,6 +20,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,8 @@ class Timeline:
   steps: list[dict] = field(default_factory=list)
   # {'seq_id', 'worker', 'slot', 'num_tokens', 'reason', 'step'}: finished in step index 'step'
   finishes: list[dict] = field(default_factory=list)
-  # {'step', 'moves': [[sw, ss, dw, ds], ...], 'queue_moves': [[sw, dw, seq_id], ...], 'kv_bytes', 't'}
+  # {'step', 'moves': [[sw, ss, dw, ds], ...], 'queue_moves': [[sw, dw, seq_id], ...],
+  #  'kv_bytes', 't'}
   migrations: list[dict] = field(default_factory=list)
   # {'workers': [...], 'step': step count at the decision, 't', 'stats': {...}, 'final': bool}
   releases: list[dict] = field(default_factory=list)
@@ -85,7 +87,7 @@ class Timeline:
     return self.steps[-1]['t1'] if self.steps else self.t_start
 
 
-def jsonable(x, nonfinite_to_none: bool = False):
+def jsonable(x, nonfinite_to_none: bool = False) -> Any:
   """Plain Python for json.dumps: numpy (or jax) scalars and arrays become numbers and lists;
   nonfinite_to_none maps inf/nan floats to None (strict JSON)."""
   if isinstance(x, dict):
@@ -120,7 +122,8 @@ def worker_timeline(tl: Timeline) -> list[dict]:
     for sw, *_ in m['queue_moves']:
       finish[sw] = max(finish[sw], m['step'])
   out = []
-  end_step, end_t = tl.num_steps, (tl.t_end if tl.t_end is not None else tl.step_end_time(tl.num_steps))
+  end_step = tl.num_steps
+  end_t = tl.t_end if tl.t_end is not None else tl.step_end_time(tl.num_steps)
   for w in tl.workers:
     rs, rt = release.get(w, (end_step, end_t))
     fs = min(finish[w], rs)
@@ -255,5 +258,5 @@ def release_latency_ratios(latencies: list[float], sizes: list[int], median_s: f
   return dict(release_latency_over_median_step=max(latencies) / max(median_s, 1e-9),
               decode_step_median_s_by_size={str(k): v for k, v in median_by_size.items()},
               release_latency_over_step_on_new_mesh=[
-                  lat / median_by_size[k] for lat, k in zip(latencies, sizes)
+                  lat / median_by_size[k] for lat, k in zip(latencies, sizes, strict=False)
                   if k in median_by_size])

@@ -14,8 +14,8 @@ next dispatch; it also runs once before the first step, for workers the placemen
 Right after (c) shrinks the active set, while sequences are live, the first step on the new mesh
 is one decode step and the admissions the release made possible (queues moved off released
 workers) follow it: a release then costs its survivors one decode step plus the shrink, not a
-prefill on top (a prefill costs ~2 decode steps on 8 emulated workers), and those seqs start one
-step later.
+prefill on top (a prefill step costs more than a decode step), and those seqs start one step
+later.
 
 Paged KV (`kv`, a policy.pages.PagePool): a slot is then one of the worker's max_seqs sequence
 rows, and memory decides as well: (a) admits a queue head only while the pool admits it, and
@@ -100,6 +100,7 @@ class Executor(Protocol):
   def prefill(self, assign: list[tuple[int, int, int]]) -> list[Finish]:
     """(worker, slot, seq_id), at most one per active worker; one SPMD prefill step on all active
     workers that also generates each sequence's first token (a target of 1 finishes here)."""
+    ...
 
   def decode(self, max_steps: int, stop_on_refill: np.ndarray,
              stop_on_idle: np.ndarray) -> tuple[int, list[Finish]]:
@@ -107,18 +108,22 @@ class Executor(Protocol):
     active_workers(). Stops after the step in which a worker with stop_on_refill had a slot finish,
     or a worker with stop_on_idle went from some live slot to none, or no live slot is left.
     Returns (steps run, finishes)."""
+    ...
 
   def migrate(self, moves: list[tuple[int, int, int, int]]) -> int:
     """(src_worker, src_slot, dst_worker, dst_slot) of live sequences; returns KV bytes moved.
     Sources are live, destinations free, all distinct and no slot is both: the moves commute."""
+    ...
 
   def shrink(self, new_active: list[int]) -> dict:
     """New active set (a tail of the release chain); returns stats (expert bytes, seconds, ...)."""
+    ...
 
-  # paged KV only (run's `kv`): drop the sequences of these live (worker, slot)s, remembering the
-  # tokens each has generated; a later prefill of such a sequence recomputes them and makes one
-  # more (its Finish then counts them all).
-  # def preempt(self, slots: list[tuple[int, int]]) -> None
+  def preempt(self, slots: list[tuple[int, int]]) -> None:
+    """Paged KV only (run's `kv`): drop the sequences of these live (worker, slot)s, remembering
+    the tokens each has generated; a later prefill of such a sequence recomputes them and makes
+    one more (its Finish then counts them all)."""
+    ...
 
   def active_workers(self) -> list[int]:
     ...
@@ -135,10 +140,11 @@ class Plan:
 class ReleasePolicyLike(Protocol):
   enabled: bool
 
-  def stop_masks(self, state: State) -> tuple[np.ndarray, np.ndarray]:
-    """(stop_on_finish, stop_on_idle) by position in state.active."""
+  def stop_masks(self, st: State) -> tuple[np.ndarray, np.ndarray]:
+    """(stop_on_finish, stop_on_idle) by position in st.active."""
+    ...
 
-  def plan(self, state: State) -> Plan | None:
+  def plan(self, st: State) -> Plan | None:
     ...
 
 
@@ -180,9 +186,10 @@ class ControllerError(RuntimeError):
   pass
 
 
-def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, policy: ReleasePolicyLike,
-        steps_per_dispatch: int = 8, clock: Callable[[], float] = time.perf_counter,
-        slots_per_worker: int | None = None, kv=None) -> RolloutRecord:
+def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
+        policy: ReleasePolicyLike, steps_per_dispatch: int = 8,
+        clock: Callable[[], float] = time.perf_counter, slots_per_worker: int | None = None,
+        kv=None) -> RolloutRecord:
   """Generate every sequence; see the module doc for the loop. kv: a policy.pages.PagePool
   (paged KV; its max_seqs rows are the slots), None = fixed slots."""
   if steps_per_dispatch < 1:
@@ -195,8 +202,9 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
   queued = [q for w in queues for q in queues[w]]
   if sorted(queued) != sorted(seq_by_id):
     missing, extra = set(seq_by_id) - set(queued), [q for q in queued if q not in seq_by_id]
-    raise ControllerError(f'queues must hold every seq exactly once: missing {sorted(missing)[:8]}, '
-                          f'unknown {extra[:8]}, {len(queued)} queued for {len(seqs)} seqs')
+    raise ControllerError(f'queues must hold every seq exactly once: missing '
+                          f'{sorted(missing)[:8]}, unknown {extra[:8]}, {len(queued)} queued for '
+                          f'{len(seqs)} seqs')
   if not set(queues) <= set(workers):
     raise ControllerError(f'queues for inactive workers {sorted(set(queues) - set(workers))}')
   st = State(seqs=seq_by_id, active=list(workers), slots_per_worker=B,
@@ -244,7 +252,8 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
           kv.allocate(w, s, seq_by_id[q], seq_by_id[q].prompt_len + st.generated[q])
       t0 = clock()
       fins = executor.prefill(assign)
-      tl.add_step('prefill', st.step, 1, st.active, [len(st.live(w)) for w in st.active], t0, clock())
+      tl.add_step('prefill', st.step, 1, st.active, [len(st.live(w)) for w in st.active], t0,
+                  clock())
       for f in fins:
         if f.num_tokens != st.generated.get(f.seq_id, 1):
           raise ControllerError(f'prefill finish of seq {f.seq_id} with {f.num_tokens} tokens')
@@ -260,7 +269,8 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor, polic
       continue
     if not where:
       stuck = {w: list(q) for w, q in st.queues.items() if q}
-      raise ControllerError(f'nothing live, {len(seqs) - len(done)} seqs unfinished; queues {stuck}')
+      raise ControllerError(f'nothing live, {len(seqs) - len(done)} seqs unfinished; '
+                            f'queues {stuck}')
     # (b) one decode dispatch
     # admissions deferred by a shrink wait for one step only
     pending = shrunk and any(st.queues[w] and st.free_slots(w) for w in st.active)
@@ -328,8 +338,8 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
         raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
                               'destination free and active')
     ok = kv.move(list(plan.moves))
-    lost = [m for m, fits in zip(plan.moves, ok) if not fits]
-    plan = Plan(moves=[m for m, fits in zip(plan.moves, ok) if fits],
+    lost = [m for m, fits in zip(plan.moves, ok, strict=True) if not fits]
+    plan = Plan(moves=[m for m, fits in zip(plan.moves, ok, strict=True) if fits],
                 queue_moves=list(plan.queue_moves), new_active=plan.new_active)
     lost_q = [(sw, dw, st.slots[sw][ss]) for sw, ss, dw, _ in lost]
     _preempt(st, executor, where, resume, [(sw, ss, dw) for sw, ss, dw, _ in lost])
@@ -344,9 +354,9 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
                               'destination free and active')
     kv_bytes = executor.migrate(list(plan.moves))
     qs = [st.slots[sw][ss] for sw, ss, _, _ in plan.moves]
-    for (sw, ss, dw, ds), q in zip(plan.moves, qs):
+    for sw, ss, _, _ in plan.moves:
       st.slots[sw][ss] = -1
-    for (sw, ss, dw, ds), q in zip(plan.moves, qs):
+    for (_, _, dw, ds), q in zip(plan.moves, qs, strict=True):
       st.slots[dw][ds] = q
       where[q] = (dw, ds)
   else:

@@ -2,8 +2,8 @@
 
 A StepCost answers `decode_seconds(n_active, live_seqs)`: the seconds of one SPMD decode step on
 an active group of n workers holding `live_seqs` live sequences between them. The release policy
-(planner.ReleasePolicy, `cost=`) uses it to release only when device-seconds per step drop and the
-makespan stays within its slack. Sources:
+(release_policy.ReleasePolicy, `cost=`) uses it to release only when device-seconds per step drop
+and the makespan stays within its slack. Sources:
   - MeasuredStepCost: the engine's own median decode-step seconds per active-group size, measured
     during a rollout and kept in the length-history file, so the next run decides on them;
   - a hardware preset of the simulator (sim.costs.RooflineStepCost: roofline + per-step and

@@ -84,4 +84,4 @@ class ExpertPlacement:
   def moves_since(self, old: ExpertPlacement) -> list[tuple[int, tuple[int, int], tuple[int, int]]]:
     """(expert, (src worker, slot), (dst worker, slot)) of replicas that moved."""
     return [(e, a, b) for e in range(self.num_experts)
-            for a, b in zip(old.replicas[e], self.replicas[e]) if a != b]
+            for a, b in zip(old.replicas[e], self.replicas[e], strict=False) if a != b]

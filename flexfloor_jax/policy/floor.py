@@ -37,7 +37,8 @@ def floor_workers(num_experts: int, expert_bytes: int, nonexpert_bytes: int,
       f'(non-expert {nonexpert_bytes / gib:.2f} + '
       f'{expert_slots(num_experts, max_workers)} of '
       f'{num_experts} experts x {expert_bytes / gib:.2f} + KV {kv_bytes_per_worker / gib:.2f} + '
-      f'workspace {workspace_bytes / gib:.2f}) but a device has {device_memory_bytes / gib:.2f} GiB')
+      f'workspace {workspace_bytes / gib:.2f}) but a device has '
+      f'{device_memory_bytes / gib:.2f} GiB')
 
 
 def parse_release_sizes(text: str) -> str | frozenset[int] | None:
@@ -65,6 +66,8 @@ def release_sizes(text: str, num_workers: int, floor: int) -> tuple[int, ...] | 
   parsed = parse_release_sizes(text)
   if parsed is None:
     return None
-  picked = ({1 << i for i in range(num_workers.bit_length())} if parsed == 'pow2' else parsed)
+  # the only text parse_release_sizes returns is 'pow2'
+  picked = ({1 << i for i in range(num_workers.bit_length())} if isinstance(parsed, str)
+            else parsed)
   return tuple(sorted({m for m in picked if floor <= m <= num_workers} | {floor, num_workers},
                       reverse=True))

@@ -27,7 +27,8 @@ class LengthHistory:
 
   def __init__(self, data: dict[str, dict[int, list[int]]] | None = None,
                step_seconds: dict[int, float] | None = None, model: str | None = None):
-    self.data = {p: {int(e): list(map(int, v)) for e, v in d.items()} for p, d in (data or {}).items()}
+    self.data = {p: {int(e): list(map(int, v)) for e, v in d.items()}
+                 for p, d in (data or {}).items()}
     # median decode-step seconds by active-group size, measured by the engine (policy.costs)
     self.step_seconds = {int(n): float(t) for n, t in (step_seconds or {}).items()}
     # Identity of the model whose responses these are (model.config.model_identity): saved with

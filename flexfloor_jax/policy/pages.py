@@ -50,7 +50,7 @@ def pool_pages(device_memory_bytes: int, weight_bytes: int, workspace_bytes: int
 
 
 def equal_budget_pages(slots_per_worker: int, max_seq_len: int, page_size: int) -> int:
-  """Pages of a pool with the KV bytes of today's fixed-slot cache (slots_per_worker rows of
+  """Pages of a pool with the KV bytes of the fixed-slot cache (slots_per_worker rows of
   max_seq_len tokens), rounded down: slots_per_worker * max_seq_len // page_size."""
   return int(slots_per_worker) * int(max_seq_len) // int(page_size)
 
@@ -234,7 +234,8 @@ class PagePool:
     self.freed += n
     return n
 
-  def grow(self, generated: Mapping[tuple[int, int], int], steps: int) -> list[tuple[int, int, int]]:
+  def grow(self, generated: Mapping[tuple[int, int], int],
+           steps: int) -> list[tuple[int, int, int]]:
     """Before a decode dispatch of `steps` steps: every live row (worker, slot) -> tokens it has
     generated so far must own pages for prompt + generated + steps tokens (at most its limit).
     Where a worker's free pages fall short, its youngest rows are preempted (pages freed) until
@@ -272,7 +273,7 @@ class PagePool:
     (it becomes its worker's youngest row). A destination without enough free pages takes
     nothing: that entry is False and the caller preempts the sequence instead."""
     src = []
-    for sw, ss, dw, ds in moves:
+    for sw, ss, _, _ in moves:
       if self._seq[sw, ss] < 0:
         raise PagePoolError(f'move from free row {(sw, ss)}')
       src.append((int(self._seq[sw, ss]), int(self._owned[sw, ss]), int(self._prompt[sw, ss]),
@@ -280,7 +281,7 @@ class PagePool:
     for sw, ss, _, _ in moves:
       self.free(sw, ss)
     ok = []
-    for (sw, ss, dw, ds), (q, n, prompt, limit, reserve) in zip(moves, src):
+    for (_, _, dw, ds), (q, n, prompt, limit, reserve) in zip(moves, src, strict=True):
       if self._seq[dw, ds] >= 0 or n > len(self._free[dw]):
         ok.append(False)
         continue

@@ -3,6 +3,8 @@ rollouts) and the simulator (replays) both call, so what is simulated is what ru
 
 from __future__ import annotations
 
+from typing import Any
+
 from flexfloor_jax.policy import costs, prediction, release_policy, scheduler
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.history import LengthHistory
@@ -34,8 +36,8 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
     compaction of stragglers (compaction=True), never work stealing.
   `sizes`: the active-group sizes a release may leave (floor.release_sizes); None = all.
   `cost`: a step cost model (policy.costs); with it a release must pay in seconds (time-aware
-  floor). None: with step_cost='measured', the step times measured by earlier runs and kept in
-  `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
+  floor). None: with step_cost='measured', the step times that previous rollouts measured and kept
+  in `history`, if it holds them for >= 2 group sizes; else (or with step_cost='steps')
   device-steps alone.
   `kv`: paged KV, (predicted lengths by seq id) -> a fresh policy.pages.PagePool with max_seqs =
   slots_per_worker: the flexfloor placement simulates its candidates on it, and the balanced and
@@ -49,7 +51,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   flex = schedule == "flexfloor"
   if cost is None and step_cost == "measured":
     cost = costs.from_history(history.step_seconds)
-  timed = dict(cost=cost, makespan_slack=makespan_slack)
+  timed: dict[str, Any] = dict(cost=cost, makespan_slack=makespan_slack)
   if flex and placement == "auto":
     # the shared queue at run time, in the candidates' simulation as in the rollout
     queues, pred, info = scheduler.flexfloor_schedule(
@@ -63,20 +65,21 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                                    **timed)
     return queues, policy, pred
   predicted = prediction.predict(history, seqs)
-  pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted)}
+  pred = {s.seq_id: float(p) for s, p in zip(seqs, predicted, strict=True)}
   if schedule == "balanced" or flex and placement == "balanced":
     q90 = prediction.predict(history, seqs, quantile=0.9)
     # paged KV: a worker's finish from its pool (rows and reserved page-steps), not lanes
     load = scheduler.PoolLoad.for_pool(seqs, q90, kv, steps_per_dispatch)
     queues = scheduler.balanced_placement(seqs, q90, workers, slots_per_worker, pool=load)
   if flex and placement == "balanced":
-    by_id = dict(zip((s.seq_id for s in seqs), q90))
+    by_id = dict(zip((s.seq_id for s in seqs), q90, strict=True))
     if load is not None:
       index = {s.seq_id: i for i, s in enumerate(seqs)}
       makespan = max(load.finish([index[q] for q in v]) for v in queues.values())
     else:
-      makespan = max(release_policy.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
-                     for v in queues.values())
+      makespan = max(
+          release_policy.list_schedule_finish([], [by_id[q] for q in v], slots_per_worker)
+          for v in queues.values())
     policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True, predicted_makespan_steps=makespan, **timed)

@@ -71,7 +71,7 @@ def sample_scenarios(history: LengthHistory, seqs: list[Seq], predicted, num: in
   for _ in range(num):
     pick: dict[str, list[int] | None] = {}
     draw = {}
-    for s, p in zip(seqs, predicted):
+    for s, p in zip(seqs, predicted, strict=False):
       if s.prompt_id not in pick:
         ep = history.epochs(s.prompt_id)
         recent = sorted(ep)[-window:]

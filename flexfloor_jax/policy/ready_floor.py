@@ -84,7 +84,10 @@ class ReadyFloor:
     probe = copy.deepcopy(self._policy)
     probe.floor, probe.sizes = self._full
     want, got = probe.plan(st), self._policy.plan(st)
-    size = lambda p: len(st.active) if p is None or p.new_active is None else len(p.new_active)
+
+    def size(p):
+      return len(st.active) if p is None or p.new_active is None else len(p.new_active)
+
     if size(want) < size(got):
       self._hold = (st.step, size(want), size(got))
     return got

@@ -13,8 +13,9 @@ that would push the predicted completion of the rollout later is never taken. Th
 kv_bytes_per_token to what its migrate() reports and steps_per_kv_byte from
 `kv_cost_steps_per_byte(link bandwidth, step time)`.
 
-Work stealing. Queued (not yet prefilled) seqs carry no KV, so moving one off the worker predicted to
-finish last onto a spare slot is free; it is done when it brings the predicted completion forward.
+Work stealing. Queued (not yet prefilled) seqs carry no KV, so moving one off the worker predicted
+to finish last onto a spare slot is free; it is done when it brings the predicted completion
+forward.
 Shared queue (`shared_queue`, the balanced schedule): every spare slot takes the longest-predicted
 seq still waiting anywhere, whatever it does to the predicted finish (list scheduling, LPT order).
 
@@ -32,11 +33,13 @@ from __future__ import annotations
 
 import copy
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from flexfloor_jax.policy.controller import Plan, Seq, State
+from flexfloor_jax.policy.costs import StepCost
 
 
 def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> float:
@@ -74,7 +77,7 @@ class ReleasePolicy:
   chain: list[int] | None = None  # None: the active workers' order at the first decision
   compaction: bool = True  # move into any free slots, not only into one idle worker
   swap: bool = True  # chain rule: may move the head's work into an idle worker
-  predicted: dict[int, float] | None = None
+  predicted: Mapping[int, float] | None = None
   prior_len: float | None = None
   kv_bytes_per_token: float = 1.0  # what the engine's migrate() will report per token
   steps_per_kv_byte: float = 1.0 / 4096  # device-step equivalents per KV byte moved
@@ -88,7 +91,7 @@ class ReleasePolicy:
   sizes: tuple[int, ...] | None = None
   shared_queue: bool = False  # spare slots pull the longest waiting seq (see the module doc)
   # Step cost model (a StepCost: decode_seconds(n_active, live_seqs)); None = device-steps only.
-  cost: object = None
+  cost: StepCost | None = None
   makespan_slack: float = 0.05  # fraction of the predicted makespan a release may add (with cost)
   predicted_makespan_steps: float | None = None  # at full width; sets the slack budget (with cost)
   slack_used_s: float = 0.0  # seconds of makespan the releases so far are predicted to add
@@ -166,8 +169,8 @@ class ReleasePolicy:
         queue_moves[q] = (queue_moves[q][0] if q in queue_moves else sw, dw)
 
     alive = list(chain)
-    timed = self.cost is not None
-    keep = self.sizes is not None or timed
+    cost = self.cost
+    keep = self.sizes is not None or cost is not None
     snaps = {}  # active size -> working state there (sizes a release may stop at)
 
     def save():
@@ -193,11 +196,11 @@ class ReleasePolicy:
         snaps[len(alive)] = save()
     if snaps:
       n = len(chain)
-      if timed:  # the size with the fewest device-seconds per step among those that pay
+      if cost is not None:  # the size with the fewest device-seconds per step among those that pay
         k = sum(len(st.live(w)) for w in chain)
         ok = [m for m in snaps if m == n or self._release_pays(n, m, snaps[m][1], snaps[m][2],
                                                                st, B)]
-        pick = min(ok, key=lambda m: (m * self.cost.decode_seconds(m, k), m))
+        pick = min(ok, key=lambda m: (m * cost.decode_seconds(m, k), m))
       else:  # the smallest allowed size reached
         pick = min(snaps)
       alive, live, queue, free, slot_moves, queue_moves, nd = snaps[pick]
@@ -209,8 +212,8 @@ class ReleasePolicy:
     queue_moves = {q: v for q, v in queue_moves.items() if v[0] != v[1]}
     if len(alive) == len(chain) and not slot_moves and not queue_moves:
       return None
-    if self.cost is not None and len(alive) < len(chain):
-      self.slack_used_s += self._added_makespan(len(chain), len(alive), live, queue, st, B)
+    if cost is not None and len(alive) < len(chain):
+      self.slack_used_s += self._added_makespan(cost, len(chain), len(alive), live, queue, st, B)
     return Plan(moves=list(slot_moves.values()),
                 queue_moves=[(sw, dw, q) for q, (sw, dw) in queue_moves.items()],
                 new_active=[w for w in st.active if w in set(alive)])
@@ -222,24 +225,27 @@ class ReleasePolicy:
   def _live_count(self, live, queue) -> int:
     return sum(len(v) for v in live.values())
 
-  def _added_makespan(self, n, m, live, queue, st, B) -> float:
+  def _added_makespan(self, cost: StepCost, n, m, live, queue, st, B) -> float:
     R = self._remaining_steps(live, queue, st, B)
     k = self._live_count(live, queue)
-    return max(0.0, R * (self.cost.decode_seconds(m, k) - self.cost.decode_seconds(n, k)))
+    return max(0.0, R * (cost.decode_seconds(m, k) - cost.decode_seconds(n, k)))
 
   def _release_pays(self, n, m, live, queue, st, B) -> bool:
     """With a cost model: going from n to m active workers lowers device-seconds per step and the
     makespan it adds fits in the slack left. Without one every release pays (device-steps)."""
-    if self.cost is None:
+    cost = self.cost
+    if cost is None:
       return True
     k = self._live_count(live, queue)
-    if m * self.cost.decode_seconds(m, k) >= n * self.cost.decode_seconds(n, k):
+    if m * cost.decode_seconds(m, k) >= n * cost.decode_seconds(n, k):
       return False
     if self.predicted_makespan_steps is None:
       return True
-    budget = self.makespan_slack * self.predicted_makespan_steps * self.cost.decode_seconds(
+    assert self.chain is not None  # set by _chain() before plan() weighs a release
+    budget = self.makespan_slack * self.predicted_makespan_steps * cost.decode_seconds(
         len(self.chain), k)
-    return self.slack_used_s + self._added_makespan(n, m, live, queue, st, B) <= budget + 1e-12
+    added = self._added_makespan(cost, n, m, live, queue, st, B)
+    return self.slack_used_s + added <= budget + 1e-12
 
   def _share(self, alive, queue, free, st):
     """Shared queue: while a worker has a slot its own queue will not fill and another has seqs
@@ -258,6 +264,7 @@ class ReleasePolicy:
           p = self._pred(st.seqs[q])
           if best is None or p > best[0]:
             best = (p, d, q)
+      assert best is not None  # every donor has a seq waiting beyond its free slots
       _, d, q = best
       r = max(recips, key=lambda w: (spare[w], alive.index(w)))
       queue[d].remove(q)
@@ -345,7 +352,7 @@ class ReleasePolicy:
       if not cands:
         return None
       # least growth of the recipient's predicted finish; ties -> latest in chain (lives longest)
-      def growth(w):
+      def growth(w, r=r):
         return (self._finish(w, live, queue, st, B, add_busy[w] + [r], add_q[w]) - fin[w],
                 -alive.index(w))
       w = min(cands, key=growth)
@@ -371,7 +378,7 @@ class ReleasePolicy:
       return None
     self.decisions.append(dict(step=st.step, head=h, moves=len(moves), queued=len(qmoves),
                                saved=saved, cost=cost))
-    for _, s, w, ds, q, r in moves:
+    for _, _s, w, ds, q, r in moves:
       live[w].append((ds, q, r))
       free[w].remove(ds)
     for _, w, q in qmoves:

@@ -20,7 +20,7 @@ from flexfloor_jax.policy.prediction import predict, sample_scenarios
 def static_placement(seqs: list[Seq], workers: list[int]) -> dict[int, list[int]]:
   """verl: the batch in input order cut into equal contiguous chunks, one per worker, FIFO."""
   chunks = np.array_split(np.arange(len(seqs)), len(workers))
-  return {int(w): [seqs[i].seq_id for i in c] for w, c in zip(workers, chunks)}
+  return {int(w): [seqs[i].seq_id for i in c] for w, c in zip(workers, chunks, strict=True)}
 
 
 class PoolLoad:
@@ -38,7 +38,7 @@ class PoolLoad:
 
   def __init__(self, seqs: list[Seq], predicted, kv, steps_per_dispatch: int = 8):
     pred = np.asarray(predicted, float)
-    pool = kv({s.seq_id: float(p) for s, p in zip(seqs, pred)})
+    pool = kv({s.seq_id: float(p) for s, p in zip(seqs, pred, strict=False)})
     self.pages, self.rows = float(pool.num_pages), int(pool.max_seqs)
     self.reserve = np.array([pool.reservation(s, 0, steps_per_dispatch) for s in seqs], float)
     self.pred = pred
@@ -191,7 +191,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   pred = np.clip(np.rint(np.asarray(predicted, float)), 1,
                  [s.max_new_tokens for s in seqs]).astype(np.int64)
   ids = [s.seq_id for s in seqs]
-  plens = {q: int(p) for q, p in zip(ids, pred)}
+  plens = {q: int(p) for q, p in zip(ids, pred, strict=False)}
   N, B = len(workers_chain), slots_per_worker
   kw = dict(policy_kw or {})
 
@@ -256,7 +256,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     cands.append((f'head{h}', qi))
   # sorted equal chunks: the head gets the shortest predicted sequences (no packing at all)
   chunks = np.array_split(np.asarray(order[::-1]), N)
-  cands.append(('sorted', {w: [int(i) for i in c[::-1]] for w, c in zip(workers_chain, chunks)}))
+  cands.append(('sorted', {w: [int(i) for i in c[::-1]]
+                           for w, c in zip(workers_chain, chunks, strict=True)}))
   index = {q: i for i, q in enumerate(ids)}
   cands.append(('static', {w: [index[q] for q in v] for w, v in static_q.items()}))
   cands.append(('balanced', {w: [index[q] for q in v] for w, v in bal_q.items()}))
@@ -273,6 +274,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     key = (late, m['device_steps'])
     if best is None or key < best[0]:
       best = (key, queues, c, m)
+  assert best is not None  # cands always holds the sorted, static and balanced placements
   info = dict(cap=best[2], predicted_device_steps=best[3]['device_steps'],
               predicted_makespan=float(best[3]['makespan_steps'].mean()),
               static_predicted_makespan=float(ms_static.mean()),
@@ -302,4 +304,4 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
                                      steps_per_dispatch=steps_per_dispatch, scenarios=sc,
                                      policy_kw=policy_kw, late_tol=tol, return_info=True,
                                      makespan_slack=makespan_slack, kv=kv)
-  return queues, {s.seq_id: float(p) for s, p in zip(seqs, pred)}, info
+  return queues, {s.seq_id: float(p) for s, p in zip(seqs, pred, strict=True)}, info

@@ -13,8 +13,9 @@ row and resumes it at its next prefill.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any, Literal, overload
 
-from flexfloor_jax.policy.controller import Finish, Seq, finish_reason, run
+from flexfloor_jax.policy.controller import Finish, RolloutRecord, Seq, finish_reason, run
 
 
 class SimError(RuntimeError):
@@ -27,7 +28,7 @@ class SimExecutor:
   lengths: seq id -> response length (default: each seq's target_len); clipped to max_new_tokens.
   step_cost(kind, num_active, live_slots) -> seconds per step, for simulated wall time (`clock`).
   migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
-  expert_placement: a placement.ExpertPlacement to report expert moves on shrink.
+  expert_placement: an expert_placement.ExpertPlacement to report expert moves on shrink.
   """
 
   def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,
@@ -97,7 +98,7 @@ class SimExecutor:
     k = int(max_steps)
     any_live = False
     for i, w in enumerate(self._active):
-      rem = [r for q, r in zip(self.slot_seq[w], self.remaining[w]) if q >= 0]
+      rem = [r for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0]
       if not rem:
         continue
       any_live = True
@@ -107,10 +108,11 @@ class SimExecutor:
         k = min(k, max(rem))  # w goes idle after max(rem) steps
     if not any_live:
       return 0, []
-    k = min(k, max(r for w in self._active for q, r in zip(self.slot_seq[w], self.remaining[w])
-                   if q >= 0))
+    k = min(k, max(r for w in self._active
+                   for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0))
     if self.step_cost is not None:
-      rems = [r for w in self._active for q, r in zip(self.slot_seq[w], self.remaining[w]) if q >= 0]
+      rems = [r for w in self._active
+              for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0]
       for j in range(k):
         self.t += float(self.step_cost('decode', len(self._active), sum(r > j for r in rems)))
     self.steps += k
@@ -158,7 +160,8 @@ class SimExecutor:
       raise SimError(f'shrink to {new_active} from {self._active}')
     if any(q >= 0 for w in gone for q in self.slot_seq[w]):
       raise SimError(f'shrink releases live slots on {gone}')
-    stats = dict(released=gone, expert_moves=0, expert_bytes_moved=0, seconds=0.0)
+    stats: dict[str, Any] = dict(released=gone, expert_moves=0, expert_bytes_moved=0,
+                                 seconds=0.0)
     if self.placement is not None:
       new = self.placement.after_release(gone, list(new_active))
       n = len(new.moves_since(self.placement))
@@ -171,9 +174,23 @@ class SimExecutor:
     return stats
 
 
+@overload
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
-             return_record: bool = False, kv=None, **executor_kw):
+             return_record: Literal[False] = False, kv=None, **executor_kw) -> dict: ...
+
+
+@overload
+def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
+             policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8, *,
+             return_record: Literal[True], kv=None,
+             **executor_kw) -> tuple[dict, RolloutRecord]: ...
+
+
+def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
+             policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
+             return_record: bool = False, kv=None,
+             **executor_kw) -> dict | tuple[dict, RolloutRecord]:
   """One simulated rollout -> accounting metrics (and the RolloutRecord if asked).
   kv: a policy.pages.PagePool (paged KV; slots_per_worker must be its max_seqs); its stats
   (preemptions, peak pages, ...) join the metrics under 'kv'."""

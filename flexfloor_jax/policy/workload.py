@@ -1,9 +1,10 @@
 """Synthetic long-tailed response lengths, and JSONL files of lengths.
 
-length[p, s] at epoch e = clip(round(median * exp(sigma*z_p + epoch_noise*u_pe + sample_noise*v_pse)),
-                               min_len, cap)
-z_p depends on `seed` alone, so a prompt's mean is the same in every epoch (what makes history-based
-prediction meaningful); u, v are fresh per epoch. The cap is max_new_tokens: the tail piles up there.
+length[p, s] at epoch e =
+    clip(round(median * exp(sigma*z_p + epoch_noise*u_pe + sample_noise*v_pse)), min_len, cap)
+z_p depends on `seed` alone, so a prompt's mean is the same in every epoch (what makes
+history-based prediction meaningful); u, v are fresh per epoch. The cap is max_new_tokens: the
+tail piles up there.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from flexfloor_jax.policy.controller import Seq
 # Defaults: the rollout shape of configs/mixtral.py tiny (8 workers x 4 slots, 8 prompts x 8
 # samples, max_new_tokens 256 = cap). cap = 4 x median, so only the far tail is capped. The noise
 # levels are small enough that a prompt's history predicts its samples and large enough that the
-# samples of one group differ as in GRPO. DEFAULT_SIGMA is the sigma `calibrate_sigma()` picks for
-# these defaults (static baseline on the step simulator, epochs 0-7, seed 0), so that the synthetic
-# static rollout wastes the share of device time the paper reports for verl (IDLE_TARGET);
-# tests/test_policy_workload.py checks that it still does.
+# samples of one group differ as in GRPO. DEFAULT_SIGMA is the sigma
+# `sim.calibrate.calibrate_sigma()` picks for these defaults (static baseline on the step
+# simulator, epochs 0-7, seed 0), so that the synthetic static rollout wastes the share of device
+# time the paper reports for verl (IDLE_TARGET); tests/sim/test_calibrate.py checks that it still
+# does.
 DEFAULT_NUM_PROMPTS = 8
 DEFAULT_SAMPLES_PER_PROMPT = 8
 DEFAULT_MEDIAN = 64
@@ -79,14 +81,23 @@ def lengths(spec: WorkloadSpec, epoch: int) -> np.ndarray:
 def make_seqs(spec: WorkloadSpec, epoch: int | None = None, prompt_len: int = 16,
               with_targets: bool = True) -> list[Seq]:
   """The batch in verl order (each prompt's samples adjacent); targets from `lengths` if asked."""
-  L = lengths(spec, epoch) if with_targets else None
+  L = None
+  if with_targets:
+    if epoch is None:
+      raise TypeError('make_seqs: with_targets needs an epoch')
+    L = lengths(spec, epoch)
   out = []
   for p, pid in enumerate(prompt_ids(spec)):
     for s in range(spec.samples_per_prompt):
       out.append(Seq(seq_id=p * spec.samples_per_prompt + s, prompt_id=pid, sample=s,
-                     prompt_len=prompt_len, target_len=int(L[p, s]) if with_targets else None,
+                     prompt_len=prompt_len, target_len=int(L[p, s]) if L is not None else None,
                      max_new_tokens=spec.cap))
   return out
+
+
+def target_lengths(seqs: list[Seq]) -> dict[int, int]:
+  """seq id -> target length, of sequences made with targets (`make_seqs`' default)."""
+  return {s.seq_id: s.target_len for s in seqs if s.target_len is not None}
 
 
 # ---------------------------------------------------------------------------------------------

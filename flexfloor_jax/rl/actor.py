@@ -70,7 +70,10 @@ def _local_logprobs(spec: ActorSpec, params, tokens_BT, valid_BT, route_BTLK=Non
   `route_BTLK`: routing replay (the rollout's experts of every token and layer)."""
   cfg, ep = spec.cfg, spec.ep()
   e2s = jnp.arange(cfg.num_experts, dtype=jnp.int32)
-  moe_fn = lambda x, lp, valid: ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
+  def moe_fn(x, lp, valid):
+    return ep_moe(x, lp, valid, e2s, ep, cfg.num_experts)
+
   route = None if route_BTLK is None else jnp.transpose(route_BTLK, (2, 0, 1, 3))
   logits, aux = tfm.forward(params, cfg, tokens_BT, valid_BT=valid_BT, moe_fn=moe_fn,
                             route_LBTK=route)
@@ -81,13 +84,16 @@ def _local_logprobs(spec: ActorSpec, params, tokens_BT, valid_BT, route_BTLK=Non
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
   """x with zero rows appended up to `rows` (padding rows are invalid: valid=False)."""
-  return np.concatenate([x, np.zeros((rows - len(x),) + x.shape[1:], x.dtype)]) if len(x) < rows else x
+  if len(x) < rows:
+    return np.concatenate([x, np.zeros((rows - len(x),) + x.shape[1:], x.dtype)])
+  return x
 
 
 class Actor:
-  """Compiled log-prob and update steps for one mesh and spec."""
+  """Compiled log-prob and update steps for one mesh and spec (`optimizer` None: log-probs
+  only)."""
 
-  def __init__(self, spec: ActorSpec, mesh, optimizer: optax.GradientTransformation):
+  def __init__(self, spec: ActorSpec, mesh, optimizer: optax.GradientTransformation | None):
     self.spec, self.mesh, self.optimizer = spec, mesh, optimizer
     self._logprob_fn = {}  # keyed by routing replay on/off
     self._update_fn = None
@@ -98,7 +104,8 @@ class Actor:
     any tree of the params' structure)."""
     if self._logprob_fn.get(replay) is None:
       pspecs = tfm.param_specs(params)
-      bs = (mesh_lib.batch_spec(2), mesh_lib.batch_spec(2)) + ((mesh_lib.batch_spec(4),) if replay else ())
+      bs = (mesh_lib.batch_spec(2), mesh_lib.batch_spec(2)) + (
+          (mesh_lib.batch_spec(4),) if replay else ())
       fn = jax.shard_map(lambda p, *b: _local_logprobs(self.spec, p, *b)[0], mesh=self.mesh,
                          in_specs=(pspecs, *bs), out_specs=mesh_lib.batch_spec(2), check_vma=False)
       self._logprob_fn[replay] = jax.jit(fn)
@@ -161,6 +168,7 @@ class Actor:
     gfn = jax.shard_map(grads_local, mesh=self.mesh, in_specs=(pspecs, bspecs, rep),
                         out_specs=(pspecs, rep), check_vma=False)
     opt = self.optimizer
+    assert opt is not None  # an actor that updates has an optimizer
     shardings = mesh_lib.tree_shardings(self.mesh, pspecs)
 
     def step(p, o, b, n):

@@ -125,7 +125,7 @@ def nonfinite_leaf(tree) -> str | None:
   """The path of the first array in `tree` holding a NaN or an infinity, else None."""
   leaves = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]
             if jnp.issubdtype(x.dtype, jnp.inexact)]
-  for (kp, _), ok in zip(leaves, finite_flags(x for _, x in leaves)):
+  for (kp, _), ok in zip(leaves, finite_flags(x for _, x in leaves), strict=True):
     if not ok:
       return jax.tree_util.keystr(kp)
   return None

@@ -1,7 +1,7 @@
 """Flags shared by `python -m flexfloor_jax.rl.sft` and `python -m flexfloor_jax.rl.train`:
---config (default configs/grpo.py) and --cpu_devices; CPU devices are emulated before jax is
-imported (hence late imports in the entry points). A misspelled --config field fails in one line
-with a "did you mean", as the rollout CLI does."""
+--config (default configs/grpo.py) and --cpu_devices; the emulated CPU devices are set through
+jax's config before the first JAX operation. A misspelled --config field fails in one line with a
+"did you mean", as the rollout CLI does."""
 
 from absl import app, flags
 

@@ -7,7 +7,7 @@ the tiny preset fits; a model that needs several devices to hold its experts wou
 devices up to its floor, not done here). Its program has the full-mesh program's per-device shapes
 (`ActorSpec.logprob_rows` rows of `t_max` tokens) and the MoE path is batch- and mesh-size
 invariant (fixed expert GEMM tiles, combine in k order), so its log-probs equal the full mesh's
-bitwise (tests/test_rl_reuse.py); the trainer's result does not depend on who computed what.
+bitwise (tests/rl/test_reuse.py); the trainer's result does not depend on who computed what.
 
 The programs are compiled for every device ahead of time, in a background thread; a release
 whose device is not ready yet is skipped (scored on the full mesh later), so nothing compiles or
@@ -61,7 +61,10 @@ class ReleasedScorer:
     prog = actor_lib.Actor(self.spec1, mesh, None).logprob_program(params_abs, replay=False)
     p_abs = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          params_abs, psh)
-    row = lambda dt: jax.ShapeDtypeStruct((self.rows, self.t_max), dt, sharding=bsh)
+
+    def row(dt):
+      return jax.ShapeDtypeStruct((self.rows, self.t_max), dt, sharding=bsh)
+
     return prog.lower(p_abs, row(np.int32), row(np.bool_)).compile()
 
   def wait_compiled(self):

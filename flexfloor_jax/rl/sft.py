@@ -55,14 +55,13 @@ class SFTError(ValueError):
 
 
 def sft(config, *, progress: bool = False, step_cache=None) -> dict:
-  """`config`: a ConfigDict (settings.load checks it before the heavy imports: ConfigError) or
+  """`config`: a ConfigDict (settings.load checks it before anything is built: ConfigError) or
   its settings.Settings (entry 'sft'). `step_cache`: an engine.StepCachePool for the evaluation
   rollout's compiled steps (train.train takes one too: GRPO from this checkpoint in the same
   process reuses them)."""
   st = config if isinstance(config, settings.Settings) else settings.load(config, "sft")
-
-
   s = st.sft
+  assert s is not None  # load(config, "sft") reads the sft section
   cfg = PRESETS[st.preset].replace(dtype=st.model.dtype)
   tok = ByteTokenizer()
   toks, mask = make_examples(st, tok)

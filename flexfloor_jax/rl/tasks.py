@@ -1,8 +1,9 @@
 """Built-in tasks with verifiable rewards (numpy / python only, no JAX).
 
 Each task renders a prompt (text, byte tokenizer) and a reference answer whose length depends on
-the prompt: `count` answers grow with n (up to a few hundred bytes), `sort`/`reverse` with the input
-length, `add` stays a few tokens. A prompt set is a deterministic function of (tasks, n, seed, size).
+the prompt: `count` answers grow with n (up to a few hundred bytes), `sort`/`reverse` with the
+input length, `add` stays a few tokens. A prompt set is a deterministic function of (tasks, n,
+seed, size).
 
 Rewards: exact match (after stripping surrounding whitespace) = 1.0; otherwise partial credit
 0.5 * (fraction of reference characters matched position by position, over the longer of the two
@@ -16,6 +17,7 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import numpy as np
 
@@ -88,7 +90,7 @@ def _partial(response: str, answer: str) -> float:
   n = max(len(response), len(answer))
   if n == 0:
     return 1.0
-  hits = sum(a == b for a, b in zip(response, answer))
+  hits = sum(a == b for a, b in zip(response, answer, strict=False))
   return hits / n
 
 
@@ -123,4 +125,4 @@ def load_reward_fn(spec: str | None) -> Callable[[dict, str], float]:
     raise ValueError(f"rl.reward_fn: {spec!r}: {e}") from None
   if not callable(f):
     raise ValueError(f"rl.reward_fn: {spec!r} is not callable")
-  return f
+  return cast(Callable[[dict, str], float], f)  # the user's: taken to be a reward function

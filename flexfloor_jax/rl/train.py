@@ -112,8 +112,6 @@ def build_batch(responses, prompt_tokens: dict, rewards, group_size: int, t_max:
   """Right-padded [B', T] arrays (B' = B rounded up to the workers; padding rows are masked);
   with recorded routes also route [B', T, L, K] (positions never fed keep expert ids 0..K-1:
   their outputs reach no log-prob)."""
-  # Imported here: both modules import jax, which must not start before the CLI has set the
-  # emulated device count and checked the config.
   b = len(responses)
   bp = -(-b // num_workers) * num_workers
   toks = np.zeros((bp, t_max), np.int32)
@@ -162,9 +160,10 @@ def train(config, *, stop_after: int | None = None, progress: bool = False,
   instead of tracing and loading them again; by default one for this run.
   output_dir is checked and locked before anything is compiled: a second run on it fails at
   once naming the holder's pid (two runs would interleave checkpoints and history).
-  settings.load(config, "train") checks every field first, before the heavy imports (a bad
+  settings.load(config, "train") checks every field first, before anything is built (a bad
   field fails in well under a second with ConfigError)."""
   st = settings.load(config, "train")
+  assert st.train is not None  # load(config, "train") reads the train section
   try:
     output_dir.check_dir(st.train.output_dir, "output_dir")
   except output_dir.OutputDirError as e:
@@ -185,6 +184,7 @@ def train(config, *, stop_after: int | None = None, progress: bool = False,
 def task_prompts(st: settings.Settings):
   """The run's prompt set (rl section), written to <train.output_dir>/prompts.jsonl for the
   rollouts, and its reward: (reward_fn, prompt rows, rows by id, path of the prompts file)."""
+  assert st.train is not None  # settings of the 'train' entry
   os.makedirs(st.train.output_dir, exist_ok=True)
   path = os.path.join(st.train.output_dir, "prompts.jsonl")
   return (*tasks_lib.prompt_set(st.rl, path), path)
@@ -193,17 +193,19 @@ def task_prompts(st: settings.Settings):
 def _train(config, st: settings.Settings, *, stop_after: int | None, progress: bool,
            step_cache) -> list[dict]:
   """The loop; `config` itself only for the checkpoints (rl/checkpoints.py)."""
-
-
-  out, rl = st.train.output_dir, st.rl
+  train_st, rl = st.train, st.rl
+  assert train_st is not None and rl is not None  # load(config, "train") reads both sections
+  out = train_st.output_dir
   reward_fn, rows, by_id, prompts_path = task_prompts(st)
 
   # -- model
   if st.model.checkpoint:
     try:
-      model_cfg, params = ckpt.load_checkpoint(st.model.checkpoint)
+      loaded = ckpt.load_checkpoint(st.model.checkpoint)
     except ckpt.CheckpointError as e:
       raise TrainError(f"model.checkpoint: {e}") from None
+    assert loaded is not None  # None only for an empty path
+    model_cfg, params = loaded
   else:
     model_cfg = PRESETS[st.preset]
     params = tfm.init_params(model_cfg, jax.random.key(st.model.init_seed),
@@ -212,6 +214,9 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
   model_id = model_identity(model_cfg)
   params = jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
   tokenizer = load_tokenizer(st.model.checkpoint, model_cfg)
+  if tokenizer is None:
+    raise TrainError("model.checkpoint: the model has no tokenizer (no tokenizer.json, and not "
+                     "the byte vocabulary); the RL prompts are text")
   prompt_tokens = {r["id"]: tokenizer.encode(r["prompt"], add_bos=True) for r in rows}
 
   devices = mesh_lib.select_devices(st.mesh.num_devices)
@@ -240,8 +245,10 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
   metrics_path = os.path.join(out, "metrics.jsonl")
   max_new = st.rollout.max_new_tokens
   start = 0
-  abs_of = lambda t: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+
+  def abs_of(t):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), t)
+
   resumed = ckpts.resume_state(config, abs_of(params), abs_of(opt_state), model_id, max_new)
   if resumed is not None:
     start, params, opt_state, history = resumed  # the checkpoint's history wins
@@ -269,7 +276,7 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params), t_max)
     if st.rollout.wait_compiles:  # reproducible timing (tests, benchmarks)
       scorer.wait_compiled()
-  for step in range(start + 1, st.train.steps + 1):
+  for step in range(start + 1, train_st.steps + 1):
     t_step = time.perf_counter()
     c = st.replace(rollout=dict(prompts=prompts_path, epoch=step - 1, output_dir=out,
                                 record_routes=rl.routing_replay))
@@ -354,7 +361,7 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
     # The row before the checkpoint: a kill between the two leaves a row that resume drops (its
     # step is after the newest checkpoint) and recomputes, never a checkpoint without its row.
     _append_metrics(metrics_path, row)
-    if step % st.train.checkpoint_every == 0 or step == st.train.steps:
+    if step % train_st.checkpoint_every == 0 or step == train_st.steps:
       ckpts.save_checkpoint(config, step, params, opt_state, history)
       if jax.process_index() == 0:
         ckpts.prune_checkpoints(config, step)

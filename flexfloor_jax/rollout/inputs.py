@@ -1,7 +1,7 @@
 """What a rollout reads from the user besides the config's fields (settings.py checks those):
 model shape, prompts, lengths file, length history, output directory, memory budget, checked with
 one RolloutError naming the field or file, before anything is compiled. Each function takes the
-rollout's settings (settings.Settings). Imports no JAX at module level.
+rollout's settings (settings.Settings).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Prompt:
   text: str | None = None
 
 
-def _check(cond: bool, msg: str):
+def _check(cond: object, msg: str):
   if not cond:
     raise RolloutError(msg)
 
@@ -116,7 +116,7 @@ def check_output_dir(config) -> None:
 
 
 def lock_output_dir(config) -> output_dir.DirLock:
-  """rollout.output_dir locked for this run (policy/output_dir.py): RolloutError naming the holder
+  """rollout.output_dir locked for this run (io/output_dir.py): RolloutError naming the holder
   when another run has it."""
   try:
     return output_dir.acquire(config.rollout.output_dir, "rollout.output_dir")

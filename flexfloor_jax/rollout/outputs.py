@@ -1,5 +1,6 @@
 """A rollout's outputs: responses.jsonl, summary.json, timeline.png and the length history, checked
-(finite log-probs) and published as one set (policy/output_dir.py), or one OutputError naming the file."""
+(finite log-probs) and published as one set (io/output_dir.py), or one OutputError naming the
+file."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ responses) and `publish_outputs`; `run` chains them.
 
 Order matters for bad input: everything the user gave (config, prompts, lengths file, checkpoint
 inventory, memory budget, length history, output directory) is validated, and the output directory
-locked, before anything is compiled; the outputs are published as one set (policy/output_dir.py), so
-a failed or killed run leaves the previous set, never a mix.
+locked, before anything is compiled; the outputs are published as one set (io/output_dir.py), so a
+failed or killed run leaves the previous set, never a mix.
 """
 
 from __future__ import annotations
@@ -113,10 +113,10 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   `on_release(devices, finished)`: called right after each release with the released devices and
   the responses finished so far, {(prompt_id, sample): tokens}; it must not block (RL: released
   workers score finished responses, rl/reuse.py).
-  write_outputs: rollout.output_dir is checked and locked (policy/output_dir.py) before anything is
+  write_outputs: rollout.output_dir is checked and locked (io/output_dir.py) before anything is
   compiled, and the outputs are published there as one set; a failure to write them raises
   OutputError, which holds the result. `config`: settings.Settings, or a config that
-  settings.load checks (ConfigError) before the heavy imports."""
+  settings.load checks (ConfigError) before anything is built."""
   t_setup = time.perf_counter()
   config = settings.as_settings(config)
   if write_outputs:
@@ -233,12 +233,12 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
   """Params (loaded only now: every input check passed), the engine and its sequences; the
   smaller meshes a release may leave start compiling in the order the plan reaches them
   (policy/compile_plan.py), each with the movers of the devices its releases touch."""
-
-
   r, n = config.rollout, prep.num_workers
   if params is None:
     if config.model.checkpoint:
-      _, params = ckpt.load_checkpoint(config.model.checkpoint, prep.model_cfg)
+      loaded = ckpt.load_checkpoint(config.model.checkpoint, prep.model_cfg)
+      assert loaded is not None  # None only for an empty path
+      _, params = loaded
       params = jax.tree.map(lambda x: x.astype(prep.model_cfg.dtype), params)
     else:
       params = tfm.init_params(prep.model_cfg, jax.random.key(config.model.init_seed),
@@ -256,10 +256,13 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
                and jax.process_count() == 1)
   spec = engine_spec(config, prep)
   compile_threads = r.compile_threads
-  pool = step_cache if isinstance(step_cache, engine_lib.StepCachePool) else None
-  if pool is not None:  # the pool's cache for this spec (kept across runs); closed after the run
+  if isinstance(step_cache, engine_lib.StepCachePool):
+    # the pool's cache for this spec (kept across runs); closed after the run
+    pool = step_cache
     step_cache = pool.get(spec, prep.devices, prep.chain, *engine_lib.abstract_split(params),
                           compile_threads=compile_threads)
+  else:
+    pool = None
   eng = engine_lib.Engine(spec, params, prep.devices, prep.chain,
                           prep.placement, seed=config.sampling.seed, epoch=r.epoch,
                           step_cache=step_cache,
@@ -402,6 +405,15 @@ class _ProgressExecutor:
     info = self._eng.shrink(new_active)
     self._released(info["released"])
     return info
+
+  def migrate(self, moves):
+    return self._eng.migrate(moves)
+
+  def preempt(self, slots):
+    return self._eng.preempt(slots)
+
+  def active_workers(self):
+    return self._eng.active_workers()
 
   def __getattr__(self, name):
     return getattr(self._eng, name)

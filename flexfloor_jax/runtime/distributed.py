@@ -143,7 +143,9 @@ def host_values(arrays):
 
 
 def _kv_client():
-  return jd.global_state.client
+  client = jd.global_state.client
+  assert client is not None  # multi-process: jax.distributed.initialize started it
+  return client
 
 
 def _encode(values) -> str:

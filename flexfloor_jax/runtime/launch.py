@@ -5,8 +5,8 @@
 
 Spawns N children on a free loopback port; each learns coordinator / process count / its id (and
 its number of emulated CPU devices) from FLEXFLOOR_* environment variables, which
-flexfloor_jax.runtime.distributed reads. Output lines are prefixed with `[pK]` and forwarded. When any
-child fails (or the timeout passes) the others are killed and the launcher exits non-zero.
+flexfloor_jax.runtime.distributed reads. Output lines are prefixed with `[pK]` and forwarded. When
+any child fails (or the timeout passes) the others are killed and the launcher exits non-zero.
 
 Children never outlive the launcher: each runs in its own process group (so a terminal's Ctrl-C
 reaches only the launcher, which then stops them in order), SIGTERM / SIGHUP / SIGINT to the

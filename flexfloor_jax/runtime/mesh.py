@@ -9,13 +9,17 @@ layouts comes from the helpers here (`logical_spec`, `batch_spec`, `replicated_s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 EP_AXIS = "ep"
+
+# The class of jax.devices()' items. jaxlib defines it in a compiled module that ships no type
+# stubs, so the type checker cannot take `jax.Device` as a class: annotations name this alias.
+Device: TypeAlias = jax.Device  # type: ignore[reportInvalidTypeForm]
 
 # Logical axis -> mesh axis (None = replicated). DP attention + EP: sequences and expert slots are
 # split over the workers, everything else is replicated.
@@ -52,7 +56,8 @@ def is_replicated(spec: P) -> bool:
 
 
 def batch_spec(ndim: int) -> P:
-  """Rows (decode slots, sequences, one row per worker) split over the workers; other dims whole."""
+  """Rows (decode slots, sequences, one row per worker) split over the workers; other dims
+  whole."""
   return logical_spec("batch", *([None] * (ndim - 1)))
 
 
@@ -80,7 +85,7 @@ def tree_shardings(mesh: Mesh, spec_tree: Any) -> Any:
                       is_leaf=lambda x: isinstance(x, P))
 
 
-def make_ep_mesh(devices: Sequence[jax.Device]) -> Mesh:
+def make_ep_mesh(devices: Sequence[Device]) -> Mesh:
   """1-D mesh over the active workers, in the given order (the release chain's tail)."""
   return jax.make_mesh((len(devices),), (EP_AXIS,), axis_types=(AxisType.Auto,),
                        devices=list(devices))
@@ -94,11 +99,11 @@ def named(mesh: Mesh, spec: P) -> NamedSharding:
   return NamedSharding(mesh, spec)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
+def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
   return NamedSharding(mesh, replicated_spec())
 
 
-def select_devices(num_devices: int) -> list[jax.Device]:
+def select_devices(num_devices: int) -> list[Device]:
   """`mesh.num_devices` (0 = all) -> the devices that are workers."""
   devs = jax.devices()
   if num_devices < 0 or num_devices > len(devs):

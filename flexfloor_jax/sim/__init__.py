@@ -1,5 +1,5 @@
 """Cluster-scale simulator: the rollout policy the engine runs, on a cost model. Numpy only: no
-module of this package imports JAX (tests/test_policy_imports.py checks each in a fresh
+module of this package imports JAX (tests/test_layout.py checks each in a fresh
 interpreter).
 
   presets   hardware (published device figures) and model presets

@@ -1,7 +1,8 @@
 """Cluster-scale simulator (flexfloor_jax.sim): the rollout policy the engine runs, on a cost model.
 
 `python -m flexfloor_jax.sim --model=mixtral-8x7b --hardware=tpu-v5p --devices=8,64,256,1024`
-`python -m flexfloor_jax.sim --calibrate=bench_out/runs/static_e0.json,bench_out/runs/flexfloor_e0.json \
+`python -m flexfloor_jax.sim --calibrate=bench_out/runs/static_e0.json,\
+bench_out/runs/flexfloor_e0.json \
                              --predict=bench_out/runs/flexfloor_e3.json,bench_out/runs/static_e3.json`
 
 This module only starts the command line (flexfloor_jax/sim/cli.py); this docstring is --help's.

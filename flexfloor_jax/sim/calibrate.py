@@ -9,8 +9,12 @@ import numpy as np
 
 from flexfloor_jax.policy import release_policy, scheduler, stepsim, workload
 
+# The sigmas calibrate_sigma tries by default.
+SIGMA_GRID = np.round(np.arange(0.05, 1.2001, 0.01), 3)
 
-def static_idle(spec: workload.WorkloadSpec, epochs=range(8), num_workers: int = workload.DEFAULT_WORKERS,
+
+def static_idle(spec: workload.WorkloadSpec, epochs=range(8),
+                num_workers: int = workload.DEFAULT_WORKERS,
                 slots_per_worker: int = workload.DEFAULT_SLOTS_PER_WORKER,
                 steps_per_dispatch: int = workload.DEFAULT_STEPS_PER_DISPATCH):
   """Static-baseline idle_after_finish_fraction per epoch (stepsim)."""
@@ -24,12 +28,14 @@ def static_idle(spec: workload.WorkloadSpec, epochs=range(8), num_workers: int =
   return np.asarray(out)
 
 
-def calibrate_sigma(target: float = workload.IDLE_TARGET, spec: workload.WorkloadSpec | None = None,
-                    epochs=range(8), num_workers: int = workload.DEFAULT_WORKERS,
+def calibrate_sigma(target: float = workload.IDLE_TARGET,
+                    spec: workload.WorkloadSpec | None = None, epochs=range(8),
+                    num_workers: int = workload.DEFAULT_WORKERS,
                     slots_per_worker: int = workload.DEFAULT_SLOTS_PER_WORKER,
-                    grid=np.round(np.arange(0.05, 1.2001, 0.01), 3)) -> tuple[float, float]:
+                    grid=SIGMA_GRID) -> tuple[float, float] | None:
   """The grid sigma whose mean static idle fraction over `epochs` is nearest `target`.
-  A grid, not bisection: with few prompts idle(sigma) is not monotone. Returns (sigma, idle)."""
+  A grid, not bisection: with few prompts idle(sigma) is not monotone. Returns (sigma, idle)
+  (None for an empty grid)."""
   spec = spec or workload.WorkloadSpec()
   best = None
   for s in grid:

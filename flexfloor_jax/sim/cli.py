@@ -39,7 +39,7 @@ def format_cluster_table(rows: list[dict]) -> str:
             r["ratio_balanced"]["throughput_tokens_per_s"],
             f["idle_after_finish_fraction_seconds"], r["ratio_oracle"]["oracle_flexfloor"][k],
             r["ratio_oracle"]["oracle_balanced"]["throughput_tokens_per_s"]]
-    lines.append(" ".join(f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(cols, vals)))
+    lines.append(" ".join(f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(cols, vals, strict=True)))
   return "\n".join(lines)
 
 

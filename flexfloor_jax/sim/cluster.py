@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
               max_seq_len: int) -> int:
   kv = slots_per_worker * max_seq_len * model.kv_bytes_per_token
   return floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
-                               int(hw.hbm_bytes), ep)
+                       int(hw.hbm_bytes), ep)
 
 
 def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
@@ -66,7 +67,11 @@ def _group_job(job):
   kv = None
   if len(job) > 14:  # paged KV: (pages per worker, page size, margin); B is max_seqs
     num_pages, page_size, margin = job[14]
-    kv = lambda pred: PagePool(ep, num_pages, page_size, B, predicted=pred, margin=margin)
+
+    def make_pool(pred):
+      return PagePool(ep, num_pages, page_size, B, predicted=pred, margin=margin)
+
+    kv = make_pool
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
                   steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
                   policy_cost=RooflineStepCost(model, hw, ctx), placement=placement, kv=kv)
@@ -86,7 +91,7 @@ def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
                     released: bool) -> dict:
   """An RL step on the cluster (roofline): generation, old log-probs of every response (a
   compute-bound forward), update (~3 forwards: forward + backward); with `released`, the
-  workers released during generation score finished responses meanwhile (policy/reuse.py), in
+  workers released during generation score finished responses meanwhile (sim/reuse.py), in
   groups of `floor` devices (the fewest that hold the model)."""
   active = model.nonexpert_params + model.top_k * model.expert_params
   spt = 2.0 * active / hw.peak_flops
@@ -149,7 +154,8 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
 def _kv_summary(paged, max_seqs: int, groups_of) -> dict:
   """Paged KV: the pool and, per schedule, its preemptions and the peak pages of a worker."""
   num_pages, page_size, margin = paged
-  out = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs, margin=margin)
+  out: dict[str, Any] = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
+                             margin=margin)
   for label in RUNS:
     g = groups_of(label)
     out[label] = dict(preemptions=sum(m["preemptions"] for m in g),
@@ -206,14 +212,14 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   hist = LengthHistory()
   for e in range(last):
     prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
-    hist.add_rollout(e, prev, {s.seq_id: s.target_len for s in prev})
+    hist.add_rollout(e, prev, workload.target_lengths(prev))
   ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
   # the schedules with perfect knowledge (every sequence its own prompt, whose history is its
   # actual length): what the policy and the cost model allow on these lengths. oracle_balanced's
   # makespan bounds the throughput, oracle_flexfloor's device time the tokens per device-second.
   oracle = [dataclasses.replace(s, prompt_id=f"{s.prompt_id}/{s.sample}") for s in seqs]
   known = LengthHistory()
-  known.add_rollout(last, oracle, {s.seq_id: s.target_len for s in oracle})
+  known.add_rollout(last, oracle, workload.target_lengths(oracle))
   # across groups the split spends the slack (group_split); inside a group of several the
   # placement is balanced's and releases keep to that group's balanced makespan, or the two
   # slacks would compound (a placement made for releasing buys little where a release must pay
@@ -238,7 +244,10 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))
   else:
     results = [_group_job(j) for j in jobs]
-  groups_of = lambda label: [m for lb, m in zip(labels, results) if lb == label]
+
+  def groups_of(label):
+    return [m for lb, m in zip(labels, results, strict=True) if lb == label]
+
   out = {label: _cluster_metrics([dict(metrics=m) for m in groups_of(label)],
                                  hold_to_end=not label.endswith("flexfloor")) for label in RUNS}
   rl = {"static": rl_step_seconds(groups_of("static"), model, hw, floor, released=False),

@@ -136,7 +136,7 @@ def _dispatch_rows(tl: accounting.Timeline, expert_slots: int):
   for i, r in enumerate(tl.steps):
     nxt = tl.steps[i + 1]["t0"] if i + 1 < len(tl.steps) else end
     n, k = len(r["active"]), r["num_steps"]
-    x = dict.fromkeys(LinearCost.NAMES, 0.0)
+    x: dict[str, float] = dict.fromkeys(LinearCost.NAMES, 0.0)
     if r["kind"] == "decode":
       live, slot_steps = sum(r["live"]), 0
       for j in range(r["start"], r["start"] + k):
@@ -165,5 +165,5 @@ def fit_cpu(runs, name: str = "") -> LinearCost:
   if not len(y):
     raise ValueError("no steps to fit")
   coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-  return LinearCost(**dict(zip(LinearCost.NAMES, map(float, coef))), fitted_on=name)
+  return LinearCost(**dict(zip(LinearCost.NAMES, map(float, coef), strict=True)), fitted_on=name)
 

@@ -10,27 +10,31 @@ from flexfloor_jax.policy.history import LengthHistory
 def compare_epochs(spec, epochs, num_workers: int = 8, slots_per_worker: int = 4, floor: int = 1,
                    steps_per_dispatch: int = 8, num_scenarios: int = 8,
                    policy_kw: dict | None = None) -> list[dict]:
-  """Static vs release-only vs release + compaction vs FlexFloor on a synthetic workload, epoch after epoch (the length
-  history of epochs 0..e-1 drives epoch e). Per epoch: the four metric dicts and the
-  prediction quality."""
+  """Static vs release-only vs release + compaction vs FlexFloor on a synthetic workload, epoch
+  after epoch (the length history of epochs 0..e-1 drives epoch e). Per epoch: the four metric
+  dicts and the prediction quality."""
   workers = list(range(num_workers))
   hist = LengthHistory()
   out = []
   for e in range(max(epochs) + 1):
     seqs = workload.make_seqs(spec, e)
-    actual = {s.seq_id: s.target_len for s in seqs}
+    actual = workload.target_lengths(seqs)
     if e in epochs:
       static_q = scheduler.static_placement(seqs, workers)
       args = (num_workers, slots_per_worker, steps_per_dispatch)
-      st = stepsim.simulate(seqs, None, static_q, release_policy.ReleasePolicy(enabled=False), *args)
+      st = stepsim.simulate(seqs, None, static_q, release_policy.ReleasePolicy(enabled=False),
+                            *args)
       ro = stepsim.simulate(seqs, None, static_q,
-                    release_policy.ReleasePolicy(floor=floor, compaction=False, steal=False), *args)
+                            release_policy.ReleasePolicy(floor=floor, compaction=False,
+                                                         steal=False), *args)
       # the baseline's placement kept, release + compaction of stragglers (runner: placement
       # 'static', compaction on); its predictions come from the same history
-      pred_static = {q.seq_id: float(p) for q, p in zip(seqs, prediction.predict(hist, seqs))}
+      pred_static = {q.seq_id: float(p)
+                     for q, p in zip(seqs, prediction.predict(hist, seqs), strict=True)}
       rc = stepsim.simulate(seqs, None, static_q,
-                    release_policy.ReleasePolicy(floor=floor, chain=workers, compaction=True, steal=False,
-                                          predicted=pred_static), *args)
+                            release_policy.ReleasePolicy(floor=floor, chain=workers,
+                                                         compaction=True, steal=False,
+                                                         predicted=pred_static), *args)
       queues, pred, info = scheduler.flexfloor_schedule(
           seqs, hist, workers, slots_per_worker, floor=floor,
           steps_per_dispatch=steps_per_dispatch, num_scenarios=num_scenarios, seed=e,

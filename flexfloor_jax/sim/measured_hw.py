@@ -1,4 +1,5 @@
-"""Measured decode-step times as a simulator hardware preset (`--hardware=measured:FILE`). numpy only.
+"""Measured decode-step times as a simulator hardware preset (`--hardware=measured:FILE`). numpy
+only.
 
 `scripts/device_check.sh` times this project's real decode step (transformer.decode with the
 expert-parallel MoE layer, ep_moe) on one accelerator for a Mixtral-shaped layer stack, as a
@@ -46,7 +47,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -65,7 +66,15 @@ def _err(path: str, field: str, msg: str) -> TableError:
   return TableError(f"{path}: {field}: {msg}")
 
 
-def _num(path, field, v, *, integer=False, positive=True):
+@overload
+def _num(path, field, v, *, integer: Literal[True], positive: bool = True) -> int: ...
+
+
+@overload
+def _num(path, field, v, *, integer: Literal[False] = False, positive: bool = True) -> float: ...
+
+
+def _num(path, field, v, *, integer: bool = False, positive: bool = True) -> int | float:
   ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
   if ok and integer:
     ok = float(v) == int(v)
@@ -200,10 +209,11 @@ def parse(obj: Any, path: str = "<table>") -> StepTable:
                  f"{key[0]} > model.experts {model['experts']}")
     s = _num(path, f"rows[{i}].seconds_per_layer", r.get("seconds_per_layer"))
     if key in pts:
-      raise _err(path, f"rows[{i}]", f"duplicate point {dict(zip(AXES, key))}")
+      raise _err(path, f"rows[{i}]", f"duplicate point {dict(zip(AXES, key, strict=True))}")
     pts[key] = s
   grids = [np.array(sorted({k[j] for k in pts}), float) for j in range(3)]
-  missing = [dict(zip(AXES, (int(e), int(b), int(k)))) for e in grids[0] for b in grids[1]
+  missing = [dict(zip(AXES, (int(e), int(b), int(k)), strict=True))
+             for e in grids[0] for b in grids[1]
              for k in grids[2] if (int(e), int(b), int(k)) not in pts]
   if missing:
     more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""

@@ -1,6 +1,6 @@
 """The simulator's hardware and model presets: published device figures and model dimensions.
 
-A `Model` is sized from its dimensions by `policy.footprint`, the formula the engine's model
+A `Model` is sized from its dimensions by `model.param_count`, the formula the engine's model
 config uses as well; the Mixtral presets take their dimensions from `model.config.PRESETS`.
 """
 
@@ -10,6 +10,7 @@ import dataclasses
 
 from flexfloor_jax.model import param_count
 from flexfloor_jax.model.config import PRESETS, ModelConfig
+from flexfloor_jax.sim.measured_hw import StepTable
 
 GB = 1e9
 GIB = 2.0**30
@@ -25,8 +26,8 @@ class Hardware:
   step_overhead_s: float = 20e-6  # launch + host sync per step (assumption, not a published figure)
   collective_latency_s: float = 5e-6  # per all_to_all (assumption, not a published figure)
   source: str = ""
-  # --hardware=measured:FILE: measured decode-step times per worker (policy/measured_hw.py)
-  step_table: object = dataclasses.field(default=None, compare=False, repr=False)
+  # --hardware=measured:FILE: measured decode-step times per worker (sim/measured_hw.py)
+  step_table: StepTable | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 HARDWARE = {

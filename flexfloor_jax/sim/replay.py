@@ -2,9 +2,9 @@
 
 What is replayed is not a copy of the policy but the policy itself: `policy.controller.run` drives
 a `policy.stepsim.SimExecutor` (subclassed here only to advance a clock by a cost model), with the
-placement from `policy.scheduler` and the release policy from `policy.planner`, chosen exactly as
-`runner.run` chooses them (`plan.plan_rollout`). With the same sequences and lengths the
-simulated device_steps therefore equal the engine's (tests/test_sim.py checks it against real
+placement from `policy.scheduler` and the release policy from `policy.release_policy`, chosen
+exactly as `runner.run` chooses them (`plan.plan_rollout`). With the same sequences and lengths the
+simulated device_steps therefore equal the engine's (tests/sim/test_sim.py checks it against real
 rollouts).
 """
 
