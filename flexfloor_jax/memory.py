@@ -16,6 +16,10 @@ def main(argv=None):
                  help="per-device budget (default: the preset's mesh.device_memory_gb, else 16)")
   p.add_argument("--workers", type=int, default=8)
   args = p.parse_args(argv)
+  if args.workers < 1:
+    p.error(f"--workers={args.workers}: at least one worker is needed")
+  if args.device_memory_gb < 0:
+    p.error(f"--device_memory_gb={args.device_memory_gb:g}: must be >= 0 (0: the preset's)")
   config = files.load_config("mixtral", args.preset)
   model_cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)
   seq_len = config.model.max_seq_len or (config.rollout.max_prompt_len

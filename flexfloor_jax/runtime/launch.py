@@ -86,6 +86,14 @@ def launch(command: list[str], num_processes: int, devices_per_process: int = 4,
   if not command:
     print("error: no command given (put it after --)", file=sys.stderr)
     return 2
+  for name, value in (("--num_processes", num_processes),
+                      ("--devices_per_process", devices_per_process)):
+    if value < 1:
+      print(f"error: {name}={value}: at least one is needed", file=sys.stderr)
+      return 2
+  if timeout <= 0:
+    print(f"error: --timeout={timeout:g}: must be positive", file=sys.stderr)
+    return 2
   port = port or free_port()
   procs, pumps = [], []
   preexec = _die_with_parent()
