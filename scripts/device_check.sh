@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One prepared check for a lent GPU machine (one GPU; about 8 minutes; README "Device check"):
 #   1. environment: nvidia-smi, jax / jaxlib / flax versions, jax.devices()
-#   2. tests/test_kernels_gpu.py: the compiled Mosaic GPU grouped matmul against XLA and float64,
+#   2. tests/kernels/test_kernels_gpu.py: the compiled Mosaic GPU grouped matmul against XLA and float64,
 #      the Pallas Triton permute and combine against XLA
 #   3. scripts/step_table.py: decode-step times of Mixtral-8x7B-shaped layers by experts held per
 #      device, batch and KV length -> step_table.json (python -m flexfloor_jax.sim
 #      --hardware=measured:step_table.json), plus copy / matmul ceilings and kernel variants
-#   4. tests/test_kernels.py and tests/test_ep.py on the GPU (TF32 off): parity tests that need
+#   4. tests/kernels/test_kernels.py and tests/engine/test_ep.py on the GPU (TF32 off): parity tests that need
 #      more devices than the machine has skip themselves (tests/engine_utils.py), listed as skipped
 #   5. python -m flexfloor_jax.kernels.bench (f32 as in the README, then bf16 Mixtral-shaped, xla vs pallas)
 #   6. python -m flexfloor_jax.bench.moe on one GPU (it needs no more devices than --devices)
@@ -68,13 +68,13 @@ cat "$OUT/env.txt" | tee -a "$LOG"
 
 TIMEOUT_FLAG=""
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_FLAG="--timeout=120"
-PYTEST=($PY -m pytest -q -rfEs -p no:cacheprovider $TIMEOUT_FLAG)
+PYTEST=($PY -P -m pytest -q -rfEs -p no:cacheprovider $TIMEOUT_FLAG)
 # tests/conftest.py sets the suite's XLA:CPU flags only when XLA_FLAGS is unset: keep them off the
 # device's (possibly newer) XLA, which aborts on a flag it does not know.
 export XLA_FLAGS="${XLA_FLAGS:-}"
 
 # 2. compiled Mosaic GPU kernels (skip on CPU)
-step gpu_kernel_tests 120 "$OUT/pytest.txt" "${PYTEST[@]}" -v tests/test_kernels_gpu.py
+step gpu_kernel_tests 120 "$OUT/pytest.txt" "${PYTEST[@]}" -v tests/kernels/test_kernels_gpu.py
 
 # 3. step table: what the steps after it need is kept back (parity tests 120 s, benches 90 s)
 if [ $DRY = 1 ]; then
@@ -93,12 +93,12 @@ step step_table $ST_LIMIT "$OUT/step_table.txt" $PY scripts/step_table.py \
 # cut off by the time limit still leaves the results of the ones before it
 if [ $DRY = 1 ]; then
   step parity_tests 100 "$OUT/pytest.txt" \
-    env XLA_FLAGS=--xla_force_host_platform_device_count=1 "${PYTEST[@]}" -v tests/test_ep.py \
-    tests/test_kernels.py -k \
+    env XLA_FLAGS=--xla_force_host_platform_device_count=1 "${PYTEST[@]}" -v tests/engine/test_ep.py \
+    tests/kernels/test_kernels.py -k \
     "forward_equals or comes_back_once or bitwise_across or padded_rows or batch_invariance"
 else
   step parity_tests 120 "$OUT/pytest.txt" env JAX_DEFAULT_MATMUL_PRECISION=highest \
-    "${PYTEST[@]}" -v tests/test_kernels.py tests/test_ep.py
+    "${PYTEST[@]}" -v tests/kernels/test_kernels.py tests/engine/test_ep.py
 fi
 
 # 5. flexfloor_jax.kernels.bench: f32 at the README's shape, then bf16 at Mixtral's expert shape, xla vs pallas

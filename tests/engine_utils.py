@@ -1,13 +1,14 @@
-"""Shared helpers for tests/test_ep.py and tests/test_engine.py: a tiny model, the expert-parallel
-setup of one mesh (slot layout, expert -> slot table) and per-worker forward / prefill / decode
-steps run inside `jax.shard_map` with `ep_moe`; the small rollout config that the elastic and
-output tests share (one set of compiled shapes)."""
+"""Shared helpers for the engine tests (engine/test_ep.py, engine/test_engine.py): a tiny model,
+the expert-parallel setup of one mesh (slot layout, expert -> slot table) and per-worker forward /
+prefill / decode steps run inside `jax.shard_map` with `ep_moe`; compile counting; the small
+rollout config that the elastic and output tests share (one set of compiled shapes)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -124,29 +125,39 @@ class EPSetup:
 class CompileCounter:
   """Counts compilations while active: jax's compile log messages ('Compiling ...',
   'Finished XLA compilation ...', with jax_log_compiles) and jax.monitoring's trace / lowering /
-  backend-compile duration events (a persistent-cache hit still traces and lowers)."""
+  backend-compile duration events (a persistent-cache hit still traces and lowers).
+
+  ignore_existing_threads: count only what this thread and threads started while active compile,
+  not threads an earlier test left running (background compiles of its other mesh sizes)."""
 
   EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
             "/jax/core/compile/jaxpr_to_mlir_module_duration",
             "/jax/core/compile/backend_compile_duration")
 
-  def __init__(self):
+  def __init__(self, ignore_existing_threads: bool = False):
     self.messages: list[str] = []
     self.events: list[str] = []
+    self._ignore_existing = ignore_existing_threads
+    self._ignored: set[int] = set()
     self._handler = logging.Handler()
     self._handler.emit = self._emit
     self._handler.setLevel(logging.DEBUG)
 
+  def _counted(self) -> bool:
+    return threading.get_ident() not in self._ignored
+
   def _emit(self, record):
     msg = record.getMessage()
-    if "Compiling" in msg or "Finished XLA compilation" in msg:
+    if ("Compiling" in msg or "Finished XLA compilation" in msg) and self._counted():
       self.messages.append(msg.splitlines()[0][:200])
 
   def _listener(self, event, duration, **kw):
-    if event in self.EVENTS:
+    if event in self.EVENTS and self._counted():
       self.events.append(event)
 
   def __enter__(self):
+    if self._ignore_existing:
+      self._ignored = {t.ident for t in threading.enumerate()} - {threading.get_ident()}
     self._old_flag = jax.config.jax_log_compiles
     jax.config.update("jax_log_compiles", True)
     self._loggers = [logging.getLogger("jax")]  # child loggers propagate to it
@@ -159,7 +170,7 @@ class CompileCounter:
 
   def __exit__(self, *exc):
     jax.monitoring.unregister_event_duration_listener(self._listener)
-    for lg, lvl in zip(self._loggers, self._levels):
+    for lg, lvl in zip(self._loggers, self._levels, strict=True):
       lg.removeHandler(self._handler)
       lg.setLevel(lvl)
     jax.config.update("jax_log_compiles", self._old_flag)
@@ -171,7 +182,8 @@ class CompileCounter:
 
 
 def rollout_config():
-  """The tiny preset at the shapes tests/test_elastic.py compiles: 16 sequences, 32 new tokens."""
+  """The tiny preset at the shapes engine/test_elastic.py compiles: 16 sequences, 32 new
+  tokens."""
   c = load_config("mixtral", "tiny")
   c.rollout.num_prompts = 4
   c.rollout.samples_per_prompt = 4

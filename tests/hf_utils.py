@@ -1,8 +1,9 @@
-"""Tiny random `transformers.MixtralForCausalLM` checkpoints for tests (no network).
+"""Tiny random Mixtral checkpoints for tests (no network).
 
-The torch model is the parity reference, so it is built the way a user's checkpoint would be
-(`save_pretrained`), with weights large enough that logits are not flat and norm weights that are
-not all ones (ones would hide a swapped or untransposed norm).
+`transformers.MixtralForCausalLM` ones are the parity reference, so they are built the way a
+user's checkpoint would be (`save_pretrained`), with weights large enough that logits are not flat
+and norm weights that are not all ones (ones would hide a swapped or untransposed norm). Tests of
+what the loader refuses write smaller ones with numpy alone (`write_numpy_checkpoint`: no torch).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import os
 import numpy as np
 
 # Parity cases. "gqa": explicit head_dim != hidden/heads, 8 experts, full attention, hub layout.
-# "swa": sliding window 4 (most prompts are 9-16 tokens, so it matters), default head_dim, 4 experts,
-# fused expert layout in several shards.
+# "swa": sliding window 4 (most prompts are 9-16 tokens, so it matters), default head_dim, 4
+# experts, fused expert layout in several shards.
 CASES = {
     "gqa": dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=8,
@@ -43,7 +44,7 @@ def build_model(config, seed: int):
   """fp32, eval mode, seeded; norm weights drawn around 1.
 
   torch runs single-threaded: these models are tiny, and on a shared 2-core machine torch's
-  spinning worker threads made generate() 20x slower (18 s vs 0.9 s) next to XLA's threads."""
+  spinning worker threads slowed generate() down many times next to XLA's threads."""
   import torch
   from transformers import MixtralForCausalLM
 
@@ -97,3 +98,37 @@ def write_single(path: str, tensors: dict[str, np.ndarray], config: dict) -> str
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
   return path
+
+
+# The smallest Mixtral the loader reads: one layer, two experts, a vocabulary of 16.
+NUMPY_CONFIG = {"model_type": "mixtral", "vocab_size": 16, "hidden_size": 8,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "num_key_value_heads": 1, "head_dim": 4, "num_local_experts": 2,
+                "num_experts_per_tok": 1, "max_position_embeddings": 64, "eos_token_id": 2,
+                "bos_token_id": 1, "torch_dtype": "float32", "tie_word_embeddings": False}
+EXPERT_KEY = "model.layers.0.block_sparse_moe.experts.1.w2.weight"
+
+
+def write_numpy_checkpoint(path, *, dtype=np.float32, poison=None, config=None) -> str:
+  """NUMPY_CONFIG (updated by `config`) in the hub layout, written with numpy: config.json and one
+  model.safetensors; `poison` = (key, value) written into one element of that tensor."""
+  cfg = dict(NUMPY_CONFIG, **(config or {}))
+  d, v, f, e = 8, 16, 8, 2
+  shapes = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,),
+            "lm_head.weight": (v, d), "model.layers.0.input_layernorm.weight": (d,),
+            "model.layers.0.post_attention_layernorm.weight": (d,),
+            "model.layers.0.self_attn.q_proj.weight": (8, d),
+            "model.layers.0.self_attn.k_proj.weight": (4, d),
+            "model.layers.0.self_attn.v_proj.weight": (4, d),
+            "model.layers.0.self_attn.o_proj.weight": (d, 8),
+            "model.layers.0.block_sparse_moe.gate.weight": (e, d)}
+  for j in range(e):
+    q = f"model.layers.0.block_sparse_moe.experts.{j}."
+    shapes.update({q + "w1.weight": (f, d), q + "w3.weight": (f, d), q + "w2.weight": (d, f)})
+  rng = np.random.default_rng(0)
+  tensors = {k: (rng.standard_normal(s) * 0.1).astype(np.float32).astype(dtype)
+             for k, s in shapes.items()}
+  if poison is not None:
+    key, value = poison
+    tensors[key].flat[3] = value
+  return write_single(str(path), tensors, cfg)

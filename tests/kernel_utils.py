@@ -17,8 +17,9 @@ def combine_numpy(y, row_dst, w):
 
 def paged_attention_inputs(seed, dtype, *, heads=8, kv_heads=2, head_dim=32, page=8, pages=24,
                            m=4, bf16_values=False):
-  """Paged-attention inputs (kernels/paged_attention.py's layout). Ragged lengths: 1, exactly one page, mid-page, every position, empty, exactly two pages;
-  shuffled non-contiguous pages; entries past a row's length are -1 for some rows."""
+  """Paged-attention inputs (kernels/paged_attention.py's layout). Ragged lengths: 1, exactly one
+  page, mid-page, every position, empty, exactly two pages; shuffled non-contiguous pages;
+  entries past a row's length are -1 for some rows."""
   rng = np.random.default_rng(seed)
   lengths = np.array([1, page, page + 3, m * page, 0, 2 * page], np.int32)
   b = len(lengths)
@@ -32,5 +33,6 @@ def paged_attention_inputs(seed, dtype, *, heads=8, kv_heads=2, head_dim=32, pag
   for r in (0, 2):
     used = -(-lengths[r] // page)
     table[r, used:] = -1
-  cast = lambda x: x.astype(dtype)
+  def cast(x):
+    return x.astype(dtype)
   return cast(q), cast(kp), cast(vp), jnp.asarray(table), jnp.asarray(lengths)

@@ -1,16 +1,17 @@
-"""CI runs both notebooks headless (nbclient) on CPU with FLEXFLOOR_SMOKE=1; any failing cell fails."""
+"""CI runs both notebooks headless (nbclient) on CPU with FLEXFLOOR_SMOKE=1; any failing cell
+fails."""
 
 import os
 import re
 import sys
 
+import checkout
 import pytest
-import xla_env
+from checkout import ROOT
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CELL_TIMEOUT_S = 300
 
 
@@ -19,16 +20,13 @@ def _execute(name: str, out_dir: str):
   nb = nbformat.read(path, as_version=4)
   assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), (
       f"{name} must be saved without outputs")
-  env = dict(os.environ, FLEXFLOOR_SMOKE="1", FLEXFLOOR_OUT=out_dir,
-             # the suite's compilation cache (conftest.py): warm compiles in the kernel too
-             FLEXFLOOR_JAX_CACHE=os.environ.get("FLEXFLOOR_JAX_CACHE",
-                                                os.path.join(ROOT, ".jax_cache")))
-  env["XLA_FLAGS"] = xla_env.child_flags()  # the notebook sets up its own emulated devices
+  # the suite's compilation cache and XLA flags; the notebook sets up its own emulated devices
+  env = checkout.child_env(FLEXFLOOR_SMOKE="1", FLEXFLOOR_OUT=out_dir)
   env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
   # 'python3' is the kernelspec ipykernel installs into this interpreter's sys.prefix;
   # jupyter_client runs it with sys.executable.
   client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                   resources={"metadata": {"path": ROOT}})
+                                   resources={"metadata": {"path": str(ROOT)}})
   client.execute(cwd=ROOT, env=env)  # raises CellExecutionError on the first failing cell
   return nb
 

@@ -1,20 +1,26 @@
 """flexfloor_jax.bench: a small two-epoch benchmark end to end (in process, 8 emulated devices)."""
 
 import json
-import math
-import os
 import pathlib
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import checkout
+import hf_utils
 import numpy as np
 import pytest
-import xla_env
+from checkout import ROOT
 
-from flexfloor_jax.bench import report, runs
+from flexfloor_jax.bench import document, report, runs
+from flexfloor_jax.config import settings
+from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.settings import ConfigError
+from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.rollout import runner
+from flexfloor_jax.sim import records
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE_METRICS = ("tokens_per_device_step", "slot_utilization", "idle_after_finish_fraction",
                  "device_steps", "throughput_tokens_per_s")
 
@@ -29,14 +35,47 @@ def small_config(tmp_path):
 
 
 def test_config_keeps_mixtral_defaults():
-  from configs import mixtral
-  m, b = mixtral.get_config(), runs.get_bench_config()
+  m, b = load_config("mixtral"), runs.get_bench_config()
   for sec in ("model", "mesh", "rollout", "sampling"):
     for k, v in m[sec].items():
       if (sec, k) not in (("rollout", "wait_compiles"), ("rollout", "output_dir")):
         assert b[sec][k] == v, (sec, k)
   assert (b.output_dir, b.epochs, b.repeats, b.release_only) == ("bench_out", 4, 1, True)
   assert b.scheduler.placement == "auto" and b.rollout.wait_compiles
+
+
+def _measures(tokens_per_device_step, idle, makespan):
+  return {"tokens_per_device_step": tokens_per_device_step, "idle_after_finish_fraction": idle,
+          "makespan_steps": makespan}
+
+
+def test_release_only_ceiling_by_hand():
+  """add_comparisons on an epoch made up by hand. Static: a quarter of its occupied device-steps
+  idle after the workers' last sequences finished. Releasing every worker the moment it finishes
+  saves at most that quarter of the device-steps for the same tokens, so release alone can raise
+  tokens per device-step by at most 1 / (1 - 1/4) = 4/3: its ceiling. Release alone at 1.2
+  tokens per device-step against static's 1.0 reaches 1.2 / (4/3) = 0.9 of it; with compaction
+  at 1.5 it reaches 1.5 / (4/3) = 1.125 (moving sequences off a worker does more than release)."""
+  ep = {"epoch": 0, "static": _measures(1.0, 0.25, 8), "balanced": _measures(1.1, 0.1, 6),
+        "flexfloor": _measures(1.6, 0.0, 6), "release_only": _measures(1.2, 0.25, 8),
+        "release_compaction": _measures(1.5, 0.05, 8)}
+  names = ["static", "balanced", "flexfloor", "release_only", "release_compaction"]
+  # The bound needs flexfloor's run: two workers of one slot, sequences of 4 and 2 tokens.
+  seqs = [Seq(0, "p", 0, 3, None, 8), Seq(1, "p", 1, 3, None, 8)]
+  responses = [{"prompt_id": "p", "sample": 0, "tokens": [5, 6, 7, 2]},
+               {"prompt_id": "p", "sample": 1, "tokens": [5, 2]}]
+  summary = {"num_workers": 2, "slots_per_worker": 1, "floor": 1, "release_sizes": None}
+  record = SimpleNamespace(finishes={0: SimpleNamespace(num_tokens=4),
+                                     1: SimpleNamespace(num_tokens=2)})
+  result = SimpleNamespace(responses=responses, summary=summary, record=record)
+  config = SimpleNamespace(rollout=SimpleNamespace(steps_per_dispatch=1))
+  document.add_comparisons(ep, names, {n: [(config, result)] for n in names}, seqs)
+  assert ep["release_only_ceiling"] == pytest.approx(4 / 3)
+  assert ep["release_only_of_ceiling"] == pytest.approx(0.9)
+  assert ep["release_compaction_of_ceiling"] == pytest.approx(1.125)
+  assert ep["ratio_release_only"]["tokens_per_device_step"] == pytest.approx(1.2)
+  assert ep["makespan_speedup"]["flexfloor"] == pytest.approx(8 / 6)
+  assert all(ep["responses_identical"].values())
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +109,14 @@ def test_bench_json_structure_and_ratios(small_bench):
       assert e["ratio_release_only"][m] == pytest.approx(e["release_only"][m] / e["static"][m])
       assert e["ratio_release_compaction"][m] == pytest.approx(
           e["release_compaction"][m] / e["static"][m])
-    ceil = 1 / (1 - e["static"]["idle_after_finish_fraction"])
-    assert e["release_only_ceiling"] == pytest.approx(ceil)
-    assert e["release_only_of_ceiling"] == pytest.approx(
-        e["ratio_release_only"]["tokens_per_device_step"] / ceil)
-    assert e["release_compaction_of_ceiling"] == pytest.approx(
-        e["ratio_release_compaction"]["tokens_per_device_step"] / ceil)
+    # Release alone keeps static's placement: each worker runs the same sequences and finishes
+    # at the same step, and is released then or later, so it cannot beat the ceiling that
+    # removing all of static's idle time would reach (the ceiling's value on a hand-computed
+    # epoch: test_release_only_ceiling_by_hand). Both variants are measured against one ceiling.
+    assert 0 < e["release_only_of_ceiling"] <= 1 + 1e-9, e["release_only_of_ceiling"]
+    assert e["release_compaction_of_ceiling"] / e["release_only_of_ceiling"] == pytest.approx(
+        e["ratio_release_compaction"]["tokens_per_device_step"]
+        / e["ratio_release_only"]["tokens_per_device_step"])
     assert e["ratio"]["tokens_per_device_step"] > 1.0
     assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
     assert all(e["responses_identical"].values())
@@ -85,7 +126,9 @@ def test_bench_json_structure_and_ratios(small_bench):
   assert doc["step_cache"]["misses"] == 2  # one StepCache per EngineSpec (static, flexfloor)
   cal = doc["calibration"]
   assert cal["predictions"] and all(p["device_steps_exact"] for p in cal["predictions"])
-  assert math.isclose(doc["paper"]["tokens_per_device_time_ratio"], 1.654)
+  # the paper's figure is cited, not computed: recorded as a speedup, and what the table prints
+  paper = doc["paper"]["tokens_per_device_time_ratio"]
+  assert paper > 1 and f"paper {paper}" in report.format_table(doc)
 
 
 def test_bench_outputs(small_bench):
@@ -95,13 +138,14 @@ def test_bench_outputs(small_bench):
   assert names == sorted(f"{n}_e{k}.json" for n in ("static", "balanced", "flexfloor",
                                                     "release_only", "release_compaction")
                          for k in (0, 1))
-  # published as one set (policy/outputs.py), no temp files or staging left behind
+  # published as one set (io/output_dir.py), no temp files or staging left behind
   assert sorted(p.name for p in out.iterdir()) == [".published", "bench.json", "bench.png",
                                                    "latest", "runs"]
   assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
   doc = json.loads((out / "bench.json").read_text())
   table = report.format_table(doc)
-  assert "paper 1.654" in table and "release_only/static" in table
+  assert f"paper {doc['paper']['tokens_per_device_time_ratio']}" in table
+  assert "release_only/static" in table
   assert "release_compaction/static" in table
   assert len([ln for ln in table.splitlines() if ln.split()[1:2] == ["flexfloor/static"]]) == 2
 
@@ -124,30 +168,38 @@ def test_sim_cli_calibrates_on_bench_runs(small_bench):
 
 
 def _cli(tmp_path, *args, timeout=300):
-  env = dict(os.environ)
-  env.setdefault("FLEXFLOOR_JAX_CACHE", str(ROOT / ".jax_cache"))  # the suite's (conftest.py)
-  env["XLA_FLAGS"] = xla_env.child_flags()  # the CLI emulates its own 8 devices
+  """`python -m flexfloor_jax.bench` on configs/bench.py, writing under tmp_path/out (the CLI
+  emulates its own 8 devices)."""
   return subprocess.run([sys.executable, "-m", "flexfloor_jax.bench", "--config=configs/bench.py",
-                         f"--config.output_dir={tmp_path / 'out'}", *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+                         f"--config.output_dir={tmp_path / 'out'}", *args], cwd=ROOT,
+                        env=checkout.child_env(), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("arg, field", [
-    ("--config.epochs=0", "epochs"),
-    ("--config.rollout.slots_per_worker=0", "rollout.slots_per_worker"),
-    ("--config.scheduler.step_cost=seconds", "scheduler.step_cost"),
-    ("--config.rollout.slots_per_workr=2", "--config.rollout.slots_per_workr"),  # misspelled
-])
-def test_cli_bad_input_is_one_line(tmp_path, arg, field):
-  r = _cli(tmp_path, arg, timeout=120)
-  assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(f"error: {field}"), \
-      r.stderr[-2000:]
+@pytest.mark.parametrize("field, value", [
+    ("epochs", 0), ("rollout.slots_per_worker", 0), ("scheduler.step_cost", "seconds")])
+def test_bad_input_names_the_field(field, value):
+  """What the CLI checks first (settings.load for the bench), on the config its flags give."""
+  c = load_config("bench")
+  c.update_from_flattened_dict({field: value})
+  with pytest.raises(ConfigError) as e:
+    settings.load(c, "bench")
+  assert str(e.value).startswith(f"{field}: ") and "\n" not in str(e.value), str(e.value)
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+  """The CLI as a user runs it, on a misspelled field (the flag parser's error): exit 2, one
+  `error:` line with ml_collections' hint, no traceback, no output directory."""
+  r = _cli(tmp_path, "--config.rollout.slots_per_workr=2", timeout=120)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+  assert lines[0].startswith("error: --config.rollout.slots_per_workr"), lines
+  assert "Did you mean" in lines[0] and "Traceback" not in r.stderr
   assert not (tmp_path / "out").exists()
 
 
 def test_cli_prints_the_table(small_bench):
   r, out = small_bench
-  assert "flexfloor/static" in r.stdout and "paper 1.654" in r.stdout
+  assert "flexfloor/static" in r.stdout
   assert "epoch 0" in r.stderr  # the progress bar
   doc = json.loads((out / "bench.json").read_text())
   assert report.format_table(doc) in r.stdout
@@ -158,9 +210,6 @@ def test_sequences_from_a_checkpoint(tmp_path):
   missing one names the field."""
   pytest.importorskip("torch")
   pytest.importorskip("transformers")
-  import hf_utils
-
-  from flexfloor_jax.rollout import runner
   hf = hf_utils.make_checkpoint(str(tmp_path / "ckpt"))
   c = small_config(tmp_path)
   c.model.checkpoint = str(tmp_path / "ckpt")
@@ -191,8 +240,8 @@ def paged_bench(tmp_path_factory):
   c.release_only = False
   c.rollout.kv = "paged"
   c.scheduler.release_sizes = "pow2"  # 3 meshes to compile besides the full one, not 7
-  doc, timelines, records = runs.run_bench(c, progress=False)
-  report.write_outputs(doc, timelines, records, c.output_dir)
+  doc, timelines, run_records = runs.run_bench(c, progress=False)
+  report.write_outputs(doc, timelines, run_records, c.output_dir)
   return c, doc, pathlib.Path(c.output_dir)
 
 
@@ -200,13 +249,13 @@ def test_paged_bench_same_pool_replayed_exactly(paged_bench):
   """Every schedule on one pool of the fixed-slot cache's bytes (rounded down to whole pages),
   peak pages within it, the step simulator's replay on the same pool gives the measured
   device-steps, peak pages and preemptions, and responses are token-identical."""
-  from flexfloor_jax.policy.pages import equal_budget_pages
   c, doc, out = paged_bench
   names = ("static", "balanced", "flexfloor")
   (e,) = doc["epochs"]
   assert "release_only" not in e and "release_compaction" not in e  # release_only=False
   seq_len = e["static"]["max_seq_len"]  # model.max_seq_len 0: resolved by the runner
-  pages = equal_budget_pages(c.rollout.slots_per_worker, seq_len, c.rollout.page_size)
+  # the fixed-slot cache holds slots x seq_len tokens per worker: that many tokens in whole pages
+  pages = c.rollout.slots_per_worker * seq_len // c.rollout.page_size
   fixed = e["static"]["kv_fixed_slot_bytes"]
   page_bytes = fixed // (c.rollout.slots_per_worker * seq_len) * c.rollout.page_size
   assert e["kv_pool"]["same_for_every_schedule"]
@@ -227,7 +276,6 @@ def test_paged_bench_same_pool_replayed_exactly(paged_bench):
   table = report.format_table(doc)
   assert "pool B/worker" in table and "peak pages" in table
   # the run records replay on the same pool (sim --calibrate/--predict)
-  from flexfloor_jax.sim import records
   rec = records.load_run_record(str(out / "runs" / "flexfloor_e0.json"))
   assert rec["kv"]["kv_pages"] == pages
   m, _ = records.replay_record(rec)

@@ -6,51 +6,71 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import pathlib
 import subprocess
 import sys
+import typing
 
 import pytest
+from checkout import ROOT
 
 from flexfloor_jax.config import settings
 from flexfloor_jax.config.cli import load_config
 from flexfloor_jax.config.settings import ConfigError, load
+from flexfloor_jax.model.config import PRESETS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-# config file -> (presets, entry points that read it)
-CONFIG_FILES = {
-    "mixtral": (("tiny", "8x7b", "8x22b"), ("rollout",)),
-    "bench": (("tiny", "8x7b"), ("rollout", "bench")),
-    "bench_heavy": (("tiny",), ("rollout", "bench")),
-    "grpo": (("tiny", "8x7b"), ("rollout", "sft", "train")),
-}
+CONFIG_FILES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__")
+# Each entry point's own fields: whole sections (rl, sft) or fields at the top level (bench,
+# train), read from the settings' dataclasses, not listed here.
+OWN_SECTIONS = {"rl": settings.RLSettings, "sft": settings.SFTSettings}
+OWN_TOP_LEVEL = {"bench": settings.BenchSettings, "train": settings.TrainSettings}
 
 
-def test_every_config_file_is_listed():
-  assert {p.stem for p in (ROOT / "configs").glob("*.py")} - {"__init__"} == set(CONFIG_FILES)
+def _holds(c, entry: str) -> bool:
+  """Whether config `c` has the fields that entry point reads besides the shared sections."""
+  for sec in settings.ENTRIES[entry]:
+    if sec in OWN_SECTIONS and sec not in c:
+      return False
+    if sec in OWN_TOP_LEVEL and not all(f.name in c for f in
+                                        dataclasses.fields(OWN_TOP_LEVEL[sec])):
+      return False
+  return True
 
 
-@pytest.mark.parametrize("name, preset, entry", [
-    (n, p, e) for n, (presets, entries) in CONFIG_FILES.items() for p in presets for e in entries])
-def test_config_files_convert(name, preset, entry):
+def test_config_files_found():
+  assert "mixtral" in CONFIG_FILES and len(CONFIG_FILES) > 1
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_files_convert(name, preset):
+  """Every config file in configs/, at every model preset, converts for every entry point whose
+  fields it holds (every file holds the rollout's sections), keeping the file's values."""
   c = load_config(name, preset)
-  st = load(c, entry)
-  assert st.preset == preset and st.schedule == c.schedule
-  for sec in ("model", "mesh", "rollout", "sampling", "scheduler"):
-    for f in dataclasses.fields(getattr(st, sec)):
-      if f.name in c[sec]:
-        assert getattr(getattr(st, sec), f.name) == c[sec][f.name], (sec, f.name)
-  assert st.workload.median == c.workload.median
-  for sec in ("bench", "rl", "sft", "train"):
-    assert (getattr(st, sec) is not None) == (sec in settings.ENTRIES[entry]), sec
-  if entry == "bench":
-    assert st.bench.epochs == c.epochs and st.bench.output_dir == c.output_dir
-  if entry == "train":
-    assert (st.train.steps, st.train.output_dir) == (c.steps, c.output_dir)
-    assert st.rl.tasks == tuple(c.rl.tasks.split(",")) and st.rl.lr == c.rl.lr
-  if entry == "sft":
-    assert st.sft.batch_size == c.sft.batch_size
+  entries = [e for e in settings.ENTRIES if _holds(c, e)]
+  assert "rollout" in entries
+  for entry in entries:
+    st = load(c, entry)
+    assert st.preset == preset and st.schedule == c.schedule
+    for sec in ("model", "mesh", "rollout", "sampling", "scheduler"):
+      for f in dataclasses.fields(getattr(st, sec)):
+        if f.name in c[sec]:
+          assert getattr(getattr(st, sec), f.name) == c[sec][f.name], (sec, f.name)
+    assert st.workload.median == c.workload.median
+    for sec in ("bench", "rl", "sft", "train"):
+      assert (getattr(st, sec) is not None) == (sec in settings.ENTRIES[entry]), sec
+    if entry == "bench":
+      assert st.bench.epochs == c.epochs and st.bench.output_dir == c.output_dir
+    if entry == "train":
+      assert (st.train.steps, st.train.output_dir) == (c.steps, c.output_dir)
+      assert st.rl.tasks == tuple(c.rl.tasks.split(",")) and st.rl.lr == c.rl.lr
+    if entry == "sft":
+      assert st.sft.batch_size == c.sft.batch_size
+
+
+def test_every_entry_point_has_a_config_file():
+  """Some file of configs/ (at its default preset) converts for each entry point."""
+  holds = {e for n in CONFIG_FILES for e in settings.ENTRIES if _holds(load_config(n), e)}
+  assert holds == set(settings.ENTRIES)
 
 
 def test_settings_are_frozen_and_typed():
@@ -229,9 +249,9 @@ def test_every_field_has_a_bad_case():
   """Each field of each section (and each top-level field) appears in BAD."""
   covered = {f for _, _, f, _ in BAD}
   want = {"preset", "schedule"}
+  types = typing.get_type_hints(settings.Settings)
   for sec in ("model", "mesh", "rollout", "workload", "sampling", "scheduler", "rl", "sft"):
-    cls = {f.name: f.type for f in dataclasses.fields(settings.Settings)}[sec]
-    cls = getattr(settings, cls.replace("Optional[", "").rstrip("]"))
+    cls = next(t for t in typing.get_args(types[sec]) or (types[sec],) if t is not type(None))
     want |= {f"{sec}.{f.name}" for f in dataclasses.fields(cls)}
   for cls in (settings.BenchSettings, settings.TrainSettings):  # top-level fields
     want |= {f.name for f in dataclasses.fields(cls)}
@@ -276,7 +296,7 @@ def test_settings_import_no_jax():
   """Every entry point's settings load in a fresh interpreter without jax or flax."""
   code = ("import sys\n"
           "from flexfloor_jax.config.cli import load_config\n"
-          "from flexfloor_jax import settings\n"
+          "from flexfloor_jax.config import settings\n"
           "for name, entry in (('mixtral', 'rollout'), ('bench', 'bench'), ('grpo', 'sft'),\n"
           "                    ('grpo', 'train')):\n"
           "  settings.load(load_config(name), entry)\n"
@@ -286,3 +306,22 @@ def test_settings_import_no_jax():
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                      text=True, timeout=120)
   assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_each_entry_names_its_own_bad_field():
+  """grpo.py's defaults pass for every entry that reads it; a bad value fails for the entry that
+  reads its section (sft's batch against its pool, the optimizer's b2 for training)."""
+  c = load_config("grpo", "tiny")
+  load(c), load(c, "train"), load(c, "sft")  # the defaults pass
+  bad = load_config("grpo", "tiny")
+  bad.sft.batch_size = 5000
+  with pytest.raises(ConfigError, match=r"sft.batch_size=5000 exceeds .* sft.num_prompts"):
+    load(bad, "sft")
+  bad = load_config("grpo", "tiny")
+  bad.rl.b2 = 1.0
+  with pytest.raises(ConfigError, match=r"rl.b2"):
+    load(bad, "train")
+  bad = load_config("mixtral", "tiny")
+  bad.rollout.max_new_tokens = 0
+  with pytest.raises(ConfigError, match=r"rollout.max_new_tokens"):
+    load(bad)

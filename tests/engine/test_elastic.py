@@ -1,6 +1,7 @@
 """Elastic expert parallelism: releases happen, change no token, move only what they must."""
 
 import gc
+import itertools
 import json
 import logging
 
@@ -58,7 +59,8 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path, step_caches
     hist.add(pid, 0, [1 + 4 * i + j for j in range(c.rollout.samples_per_prompt)])
   c.schedule = "balanced"
   bal = run(c, params, tmp_path, "balanced", history=hist, step_cache=step_caches)
-  key = lambda r: (r["prompt_id"], r["sample"])
+  def key(r):
+    return (r["prompt_id"], r["sample"])
   a = {key(r): r for r in static.responses}
   for other in (flex, bal):
     b = {key(r): r for r in other.responses}
@@ -77,7 +79,7 @@ def test_flexfloor_responses_equal_static(lengths, params, tmp_path, step_caches
   # Releases happened all the way down the chain to the floor.
   sizes = sizes_over_time(flex)
   assert sizes[0] == 8 and sizes[-1] == flex.summary["floor"] == 1, sizes
-  assert all(x > y for x, y in zip(sizes, sizes[1:])), sizes
+  assert all(x > y for x, y in itertools.pairwise(sizes)), sizes
   assert sizes_over_time(static) == [8]
   assert flex.summary["device_steps"] < static.summary["device_steps"]
 
@@ -91,8 +93,8 @@ def _pooled_steps(step_caches, spec, params, devices, chain):
 def test_rollout_from_an_orbax_checkpoint_equals_the_weights_in_memory(params, tmp_path,
                                                                         step_caches):
   """`model.checkpoint` an orbax checkpoint (restored onto one device, as load_orbax does without
-  shardings) on 8 workers: the responses of the same weights passed in memory, bit for bit.
-  Before: the expert-slot gather refused the weights (committed to another device)."""
+  shardings) on 8 workers: the responses of the same weights passed in memory, bit for bit (the
+  expert-slot gather must take weights committed to another device)."""
   from flexfloor_jax.model import checkpoint as ckpt
   c = get_config()
   c.rollout.lengths = "model"  # what 'auto' picks with a checkpoint: EOS or the cap ends a response
@@ -101,8 +103,9 @@ def test_rollout_from_an_orbax_checkpoint_equals_the_weights_in_memory(params, t
   c.model.checkpoint = str(tmp_path / "ckpt")
   c.rollout.output_dir = str(tmp_path / "from_ckpt")
   got = runner.run(c, write_outputs=False, progress=False, step_cache=step_caches)
-  key = lambda res: [(r["prompt_id"], r["sample"], r["tokens"], r["logprobs"])
-                     for r in res.responses]
+  def key(res):
+    return [(r["prompt_id"], r["sample"], r["tokens"], r["logprobs"])
+                       for r in res.responses]
   assert key(got) == key(mem) and len(mem.responses) > 0
 
 
@@ -133,7 +136,8 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params, step_cach
   moved = eng.state.as_dict()
   for k in tree:
     np.testing.assert_array_equal(np.asarray(moved[k]), np.asarray(spmd[k]), err_msg=k)
-  row = lambda a: a.nbytes // a.shape[1]  # one sequence row of the cache (all layers)
+  def row(a):
+    return a.nbytes // a.shape[1]  # one sequence row of the cache (all layers)
   assert kv_bytes == row(eng.state.k) + row(eng.state.v) > 0
   assert spmd_bytes == kv_bytes + sum(a.nbytes // a.shape[0] for k, a in moved.items()
                                       if k not in ("k", "v"))
@@ -166,7 +170,8 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params, step_cach
     for pos, row in enumerate(se):
       for s, e in enumerate(row):
         if e >= 0:
-          np.testing.assert_array_equal(w[:, pos * spec.expert_slots + s], np.asarray(canon[k][:, e]))
+          np.testing.assert_array_equal(w[:, pos * spec.expert_slots + s],
+                                        np.asarray(canon[k][:, e]))
   # Decoding continues on the smaller mesh.
   steps, _ = eng.decode(2, np.zeros(6, bool), np.zeros(6, bool))
   assert steps == 2
@@ -174,8 +179,8 @@ def test_release_moves_only_released_experts_and_keeps_buffers(params, step_cach
 
 def test_a_cache_closed_mid_compile_compiles_the_dropped_sizes_when_reused(params):
   """A pooled StepCache (bench epochs, RL steps) is closed after each run, which drops the
-  compiles not started yet; reused, it compiles those sizes again. Before: the dropped size
-  counted as ready and getting it raised CancelledError (a release onto it, in a later run)."""
+  compiles not started yet; reused, it compiles those sizes again (a dropped size must not count
+  as ready: a release onto it, in a later run, would get a cancelled compile)."""
   spec = engine_utils.rollout_spec(MODEL)  # the runner's flexfloor spec: persistent-cache hits
   cache = engine_lib.StepCache(spec, jax.devices()[:8], list(range(8)),
                                *engine_lib.abstract_split(params), compile_threads=1)
@@ -276,7 +281,7 @@ def test_pallas_backend_matches_xla(params, tmp_path, step_caches):
   for backend in ("xla", "pallas"):
     c.model.moe_backend = backend
     out[backend] = run(c, params, tmp_path, backend, step_cache=step_caches).responses
-  for a, b in zip(out["xla"], out["pallas"]):
+  for a, b in zip(out["xla"], out["pallas"], strict=True):
     assert a["tokens"] == b["tokens"]
     assert np.abs(np.subtract(a["logprobs"], b["logprobs"])).max() <= 1e-4
 
@@ -327,7 +332,8 @@ def test_default_path_releases_and_a_warm_rerun_compiles_nothing(params, tmp_pat
   assert sizes_over_time(first)[-1] == 1
 
   cache = jax.config.jax_compilation_cache_dir
-  count = lambda: len([f for f in os.listdir(cache) if f.endswith("-cache")])
+  def count():
+    return len([f for f in os.listdir(cache) if f.endswith("-cache")])
   before = count()
   events = []  # a compile request that finds its executable in JAX's cache is a hit
 

@@ -2,7 +2,7 @@
 do not depend on where or beside what they ran, continuous batching refills slots, and nothing
 compiles once the engine's step sets are built.
 
-One EngineSpec serves every test: the runner's flexfloor spec of tests/test_elastic.py
+One EngineSpec serves every test: the runner's flexfloor spec of tests/engine/test_elastic.py
 (engine_utils.rollout_spec), through the session's StepCache over the chain of all 8 emulated
 devices, so the meshes of 8 and 4 workers (the last 4 devices) are the ones the runner tests
 compiled.
@@ -118,8 +118,7 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
   (B) 8 workers, dealt round-robin in reverse worker order, so every sequence runs on another
   worker beside other sequences (worker 0's sequences move to 7 and 7's to 0); (C) 4 workers, a
   random permutation (6 sequences per worker: some wait in the queue and start in a slot freed
-  by another). Tokens and log-probs per (prompt_id, sample) are
-  identical, exactly (measured: all equal)."""
+  by another). Tokens and log-probs per (prompt_id, sample) are identical, exactly."""
   seqs, inputs = make_seqs(12, 2, seed=40)
   ids = [s.seq_id for s in seqs]
   q_a = scheduler.static_placement(seqs, CHAIN)
@@ -133,7 +132,8 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
   out_a, out_b, out_c = (_by_key(seqs, e) for e in (eng_a, eng_b, eng_c))
 
   # The runs really differ in placement: worker 0 <-> 7, slot 0 <-> 3, and company.
-  where = lambda o: {k: (v.worker, v.slot) for k, v in o.items()}
+  def where(o):
+    return {k: (v.worker, v.slot) for k, v in o.items()}
   wa, wb, wc = where(out_a), where(out_b), where(out_c)
   moved = [k for k in wa if wa[k] != wb[k]]
   assert len(moved) == len(wa)
@@ -142,9 +142,11 @@ def test_responses_identical_whatever_worker_slot_company_and_mesh(params, step_
   assert any(wa[k][1] == 0 and wb[k][1] != 0 for k in wa)
   # Slot 0 in one run, the last slot in another: a queued sequence took a freed slot.
   assert any(wa[k][1] == 0 and wc[k][1] == SLOTS - 1 for k in wa)
-  company = lambda rec: {f.seq_id: f.worker for f in rec.finishes.values()}
+  def company(rec):
+    return {f.seq_id: f.worker for f in rec.finishes.values()}
   ca, cb = company(rec_a), company(rec_b)
-  pairs = lambda c: {frozenset((a, b)) for a in c for b in c if a < b and c[a] == c[b]}
+  def pairs(c):
+    return {frozenset((a, b)) for a in c for b in c if a < b and c[a] == c[b]}
   assert pairs(ca) != pairs(cb)
 
   lengths = [len(o.tokens) for o in out_a.values()]
@@ -190,7 +192,7 @@ def test_continuous_batching_and_no_compile_after_warm_up(params, step_cache):
   tl = record.timeline
   pre_steps = [r["start"] for r in tl.steps if r["kind"] == "prefill"]
   assert len(pre_steps) == len(rec.prefills)
-  prefill_step = {sid: st for st, assign in zip(pre_steps, rec.prefills)
+  prefill_step = {sid: st for st, assign in zip(pre_steps, rec.prefills, strict=True)
                   for _, _, sid in assign}
   finish_step = {f["seq_id"]: f["step"] for f in tl.finishes}
   assert set(prefill_step) == set(finish_step) == {s.seq_id for s in seqs}

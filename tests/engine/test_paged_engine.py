@@ -18,7 +18,7 @@ from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.pages import PagePool
 from flexfloor_jax.rollout import inputs, kv_pool, runner
 
-MODEL = PRESETS["tiny"].replace(num_layers=2)  # tests/test_elastic.py's model: shared compiles
+MODEL = PRESETS["tiny"].replace(num_layers=2)  # test_elastic.py's model: shared compiles
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_pool_size_from_the_config():
   c.rollout.kv = "slots"
   slots = inputs.terms_for_config(settings.load(c), MODEL, 96)
   c.rollout.kv = "paged"
-  state = lambda rows: engine_lib.state_bytes_per_worker(MODEL, rows, 96, 32)
+  def state(rows):
+    return engine_lib.state_bytes_per_worker(MODEL, rows, 96, 32)
   assert paged.kv - state(4) == slots.kv - state(2) > 0
   assert (paged.expert, paged.nonexpert) == (slots.expert, slots.nonexpert)
   c.rollout.kv_pages = 5

@@ -131,7 +131,7 @@ def test_make_plan_conservation_order_and_determinism():
   plan = _plan(group_ids, num_groups, tile_m)
   # Deterministic: a second call (fresh device buffers) and the loop reference agree exactly.
   again = _plan(np.array(group_ids), num_groups, tile_m)
-  for a, b in zip(jax.tree.leaves(plan), jax.tree.leaves(again)):
+  for a, b in zip(jax.tree.leaves(plan), jax.tree.leaves(again), strict=True):
     np.testing.assert_array_equal(a, b)
   want = _numpy_plan(group_ids, num_groups, tile_m, plan.row_src.shape[0])
   np.testing.assert_array_equal(plan.row_src, want[0])
@@ -160,7 +160,8 @@ def test_permute_pallas_equals_xla_and_roundtrips(name, group_ids):
   seed = CASE_IDS.index(name)
   x = jax.random.normal(_key(100 + seed), (len(group_ids), 128), jnp.float32)
   xp = _jit_permute(x, plan.row_src)
-  ref = np.where((np.asarray(plan.row_src) >= 0)[:, None], np.asarray(x)[np.maximum(plan.row_src, 0)], 0)
+  src = np.asarray(plan.row_src)
+  ref = np.where((src >= 0)[:, None], np.asarray(x)[np.maximum(src, 0)], 0)
   np.testing.assert_array_equal(xp, ref)
   np.testing.assert_array_equal(_jit_permute(x, plan.row_src, impl="pallas", interpret=True), xp)
   # Unpermute with row_dst gives x back for dispatched rows and zeros for the others.
@@ -367,15 +368,18 @@ def test_grouped_matmul_gradients(impl, transpose_rhs):
   tg, used = plan.tile_group, plan.num_tiles_used
 
   def loss(fn):
-    return lambda l, r: jnp.sum(fn(l, r) * cot)
+    return lambda left, right: jnp.sum(fn(left, right) * cot)
 
-  gmm = lambda l, r: grouped_matmul(
-      l, r, tg, used, tile_m=tile_m, impl=impl, interpret=True, transpose_rhs=transpose_rhs
-  )
-  ref = lambda l, r: _dense_reference(l, r, tg, used, tile_m, transpose_rhs)
+  def gmm(left, right):
+    return grouped_matmul(left, right, tg, used, tile_m=tile_m, impl=impl, interpret=True,
+                          transpose_rhs=transpose_rhs)
+
+  def ref(left, right):
+    return _dense_reference(left, right, tg, used, tile_m, transpose_rhs)
+
   got = jax.jit(jax.grad(loss(gmm), argnums=(0, 1)))(lhs, rhs)
   want = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(lhs, rhs)
-  for g, w in zip(got, want):
+  for g, w in zip(got, want, strict=True):
     assert g.shape == w.shape
     assert float(jnp.max(jnp.abs(g - w))) <= 1e-4
 
@@ -458,7 +462,8 @@ def test_combine_bf16_topk4():
   out = _jit_combine(y, dst, w)
   assert out.dtype == jnp.bfloat16
   ref = combine_numpy(np.asarray(y.astype(jnp.float32)), np.asarray(dst), np.asarray(w))
-  np.testing.assert_array_equal(out.astype(jnp.float32), jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_array_equal(out.astype(jnp.float32),
+                                jnp.asarray(ref).astype(jnp.bfloat16).astype(jnp.float32))
   out_p = _jit_combine(y, dst, w, impl="pallas", interpret=True)
   np.testing.assert_array_equal(out_p.astype(jnp.float32), out.astype(jnp.float32))
 
@@ -478,7 +483,7 @@ def test_permute_and_combine_pallas_gradients_equal_xla():
 
   grads = {impl: jax.jit(jax.grad(functools.partial(loss, impl=impl), argnums=(0, 1)))(x, w)
            for impl in ("xla", "pallas")}
-  for gx, gp in zip(grads["xla"], grads["pallas"]):
+  for gx, gp in zip(grads["xla"], grads["pallas"], strict=True):
     assert float(jnp.max(jnp.abs(gx))) > 0
     np.testing.assert_array_equal(gp, gx)
 
@@ -487,7 +492,7 @@ def test_permute_and_combine_pallas_gradients_equal_xla():
 # GPU (Pallas Triton) permute and combine, in interpret mode on this CPU machine. The compiled
 # kernels differ from these runs only in the multiply (PTX mul.rn there, `*` here) and in how the
 # K products are summed (straight adds there, a loop here; the same order): see
-# tests/test_kernels_gpu.py for the compiled ones.
+# tests/kernels/test_kernels_gpu.py for the compiled ones.
 
 _permute_gpu = jax.jit(functools.partial(permute_lib._permute_gpu, interpret=True))
 _combine_gpu = jax.jit(functools.partial(combine_lib._combine_gpu, interpret=True))
@@ -525,7 +530,8 @@ def test_permute_gpu_kernel_equals_xla(name, group_ids):
   x = jax.random.normal(_key(900 + seed), (len(group_ids), 256), jnp.float32)
   xp = _permute_gpu(x, plan.row_src)
   _assert_same_bits(xp, _permute_xla(x, plan.row_src))
-  ref = np.where((np.asarray(plan.row_src) >= 0)[:, None], np.asarray(x)[np.maximum(plan.row_src, 0)], 0)
+  src = np.asarray(plan.row_src)
+  ref = np.where((src >= 0)[:, None], np.asarray(x)[np.maximum(src, 0)], 0)
   np.testing.assert_array_equal(xp, ref)
   _assert_same_bits(_permute_gpu(xp, plan.row_dst), _permute_xla(xp, plan.row_dst))
 
@@ -601,8 +607,13 @@ def _gmm_export_fns(dtype, tile_m=128, transpose_rhs=False):
   shape = (4, 512, 256) if transpose_rhs else (4, 256, 512)
   args = (S((512, 256), dtype), S(shape, dtype), S((512 // tile_m,), jnp.int32), S((), jnp.int32))
   kw = dict(tile_m=tile_m, impl="pallas", transpose_rhs=transpose_rhs)
-  fwd = lambda l, r, tg, u: grouped_matmul(l, r, tg, u, **kw)
-  grad = jax.grad(lambda l, r, tg, u: jnp.sum(fwd(l, r, tg, u).astype(jnp.float32)), argnums=(0, 1))
+
+  def fwd(left, right, tg, u):
+    return grouped_matmul(left, right, tg, u, **kw)
+
+  def loss(left, right, tg, u):
+    return jnp.sum(fwd(left, right, tg, u).astype(jnp.float32))
+  grad = jax.grad(loss, argnums=(0, 1))
   return fwd, grad, args
 
 
@@ -611,17 +622,24 @@ def test_pallas_kernels_lower_for_tpu(dtype):
   for transpose_rhs in (False, True):
     fwd, grad, args = _gmm_export_fns(dtype, transpose_rhs=transpose_rhs)
     for fn in (fwd, grad):
-      assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fn), platforms=["tpu"])(*args))
+      exp = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+      assert "tpu_custom_call" in _custom_calls(exp)
   # a K too long for one VMEM weight block: the K-blocked schedule
   long_k = (S((256, 2**15), dtype), S((2, 2**15, 256), dtype), S((2,), jnp.int32), S((), jnp.int32))
   assert not gmm_tpu.tpu_schedule(256, 2**15, 256, 128, jnp.dtype(dtype).itemsize, 4,
                                    False).weights_outer
-  fk = lambda l, r, tg, u: grouped_matmul(l, r, tg, u, tile_m=128, impl="pallas")
-  assert "tpu_custom_call" in _custom_calls(jax.export.export(jax.jit(fk), platforms=["tpu"])(*long_k))
-  fp = lambda x, s: permute(x, s, impl="pallas")
-  exp = jax.export.export(jax.jit(fp), platforms=["tpu"])(S((100, 256), dtype), S((512,), jnp.int32))
+
+  def fk(left, right, tg, u):
+    return grouped_matmul(left, right, tg, u, tile_m=128, impl="pallas")
+  exp = jax.export.export(jax.jit(fk), platforms=["tpu"])(*long_k)
   assert "tpu_custom_call" in _custom_calls(exp)
-  fc = lambda y, d, w: combine(y, d, w, impl="pallas")
+  def fp(x, s):
+    return permute(x, s, impl="pallas")
+  exp = jax.export.export(jax.jit(fp), platforms=["tpu"])(S((100, 256), dtype),
+                                                         S((512,), jnp.int32))
+  assert "tpu_custom_call" in _custom_calls(exp)
+  def fc(y, d, w):
+    return combine(y, d, w, impl="pallas")
   exp = jax.export.export(jax.jit(fc), platforms=["tpu"])(
       S((512, 256), dtype), S((64, 2), jnp.int32), S((64, 2), jnp.float32)
   )
@@ -681,8 +699,10 @@ def verified_triton_modules(monkeypatch):
 def test_permute_combine_pallas_lower_for_cuda(dtype, verified_triton_modules):
   """impl='pallas' on cuda is the Pallas Triton kernels (not the XLA gather), at Mixtral's D and
   at sizes that need 1-wide blocks; combine multiplies with mul.rn. Lowering errors fail."""
-  fp = lambda x, s: permute(x, s, impl="pallas")
-  fc = lambda y, d, w: combine(y, d, w, impl="pallas")
+  def fp(x, s):
+    return permute(x, s, impl="pallas")
+  def fc(y, d, w):
+    return combine(y, d, w, impl="pallas")
   cases = [
       (fp, (S((100, 4096), dtype), S((512,), jnp.int32))),
       (fp, (S((7, 3), dtype), S((5,), jnp.int32))),

@@ -3,9 +3,9 @@
 gradients, bitwise batch invariance, and the EP MoE layer with backend='pallas'. The Pallas Triton
 permute and combine (`_permute_gpu`, `_combine_gpu`): bitwise equal to the XLA gather and to the
 combine's definition, and their gradients. The Pallas Triton paged attention
-(`kernels/paged_attention.py`, impl='pallas') against its XLA reference. Skipped without a GPU (CI); `scripts/device_check.sh`
-runs it on a lent one. tests/test_kernels.py checks the same kernels in interpret mode and their
-lowering for cuda from a CPU machine."""
+(`kernels/paged_attention.py`, impl='pallas') against its XLA reference. Skipped without a GPU
+(CI); `scripts/device_check.sh` runs it on a lent one. test_kernels.py checks the same kernels in
+interpret mode and their lowering for cuda from a CPU machine."""
 
 from __future__ import annotations
 
@@ -102,10 +102,13 @@ def test_mosaic_gpu_gmm_bf16_output_and_gradients():
   d_out = ct.astype(jnp.bfloat16)  # the cotangent enters in the operand precision
   ref_dl = _reference(d_out, jnp.swapaxes(rhs, 1, 2), tg, used, tile_m, False)
   errs = {}
+
+  def loss(left, right, impl):
+    out = grouped_matmul(left, right, tg, used, tile_m=tile_m, impl=impl)
+    return jnp.sum(out.astype(jnp.float32) * ct)
+
   for impl in ("pallas", "xla"):
-    loss = lambda l, r: jnp.sum(grouped_matmul(l, r, tg, used, tile_m=tile_m, impl=impl)
-                                .astype(jnp.float32) * ct)
-    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(lhs, rhs, impl)
     errs[impl] = _rel(np.asarray(d_lhs.astype(jnp.float32)), ref_dl)
     # d_rhs: both paths use the XLA tgmm
     assert np.abs(np.asarray(d_rhs.astype(jnp.float32))).max() > 0
@@ -168,7 +171,8 @@ def test_ep_moe_pallas_backend_equals_xla_on_one_gpu():
 
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(ep_ax), P()) + (P(ep_ax),) * 3,
                                out_specs=P(ep_ax), check_vma=False))
-    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    def put(a, s):
+      return jax.device_put(a, NamedSharding(mesh, s))
     return np.asarray(fn(put(x, P(ep_ax)), put(router, P()), put(w1, P(ep_ax)),
                          put(w3, P(ep_ax)), put(w2, P(ep_ax))).astype(jnp.float32))
 
@@ -231,18 +235,18 @@ def test_triton_permute_and_combine_gradients():
   def loss(x, w, impl):
     return jnp.sum(combine(permute(x, src, impl=impl), dst, w, impl=impl) * ct)
 
-  grads = {impl: jax.jit(jax.grad(lambda x, w: loss(x, w, impl), argnums=(0, 1)))(x, w)
+  grads = {impl: jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(x, w, impl)
            for impl in ("pallas", "xla")}
-  for gp, gx in zip(grads["pallas"], grads["xla"]):
+  for gp, gx in zip(grads["pallas"], grads["xla"], strict=True):
     assert np.abs(np.asarray(gx)).max() > 0
     np.testing.assert_array_equal(np.asarray(gp), np.asarray(gx))
 
 
 @pytest.mark.xfail(strict=False, reason=(
     "race in _gmm_mgpu: with block_m=128 and K/64 = 5 or 6 pipeline steps (3 in flight) some rows "
-    "come out wrong (2-6% of a tile's norm) and differ from run to run; seen on an H200, "
-    "jax 0.11.2, 2026-12-04 (scripts/probe_mgpu_bf16.py). K/64 in {3, 4, 7, 8, 9, 10, 12, 16, "
-    "64, 224} and every K at tile_m=64 were right and repeatable"))
+    "come out wrong (a few % of a tile's norm) and differ from run to run on an H200 "
+    "(scripts/probe_mgpu_bf16.py reproduces it); other K/64 and every K at tile_m=64 are right "
+    "and repeatable"))
 @pytest.mark.parametrize("k", [320, 384])
 def test_mosaic_gpu_gmm_k_steps_5_6_tile_128(k):
   tile_m, n = 128, 256

@@ -5,22 +5,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 
+import hf_utils
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import hf_utils  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from flexfloor_jax.model import checkpoint as ck  # noqa: E402
-from flexfloor_jax.model import hf_checkpoint as hf  # noqa: E402
-from flexfloor_jax.model import tokenizer as tok_lib  # noqa: E402
-from flexfloor_jax.model import transformer as tr  # noqa: E402
-from flexfloor_jax.model.config import BYTE_VOCAB, PRESETS, ModelConfig  # noqa: E402
-from flexfloor_jax.runtime import mesh as mesh_lib  # noqa: E402
+from flexfloor_jax.model import checkpoint as ck
+from flexfloor_jax.model import hf_checkpoint as hf
+from flexfloor_jax.model import tokenizer as tok_lib
+from flexfloor_jax.model import transformer as tr
+from flexfloor_jax.model.config import BYTE_VOCAB, PRESETS, ModelConfig
+from flexfloor_jax.runtime import mesh as mesh_lib
 
 # Small enough to copy and rewrite in milliseconds; 2 layers so "layer 1" keys exist.
 SMALL = dict(hf_utils.CASES["gqa"], num_hidden_layers=2, num_local_experts=4, vocab_size=100)
@@ -55,7 +52,7 @@ def _bitwise_equal(a, b) -> bool:
   la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
   return (jax.tree.structure(a) == jax.tree.structure(b) and all(
       x.dtype == y.dtype and x.shape == y.shape and np.array_equal(np.asarray(x), np.asarray(y))
-      for x, y in zip(la, lb)))
+      for x, y in zip(la, lb, strict=True)))
 
 
 # ----------------------------------------------------------------------------- HF loading

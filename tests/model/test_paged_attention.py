@@ -136,7 +136,7 @@ def test_paged_logits_independent_of_pages_and_company():
   assert not np.array_equal(table_a[0], table_b[2])
   out_a, _ = _run_paged(params, cfg, prompts_a, lengths_a, table_a, _garbage_pool(cfg, 5), STEPS)
   out_b, _ = _run_paged(params, cfg, prompts_b, lengths_b, table_b, _garbage_pool(cfg, 6), STEPS)
-  for i, (la, lb) in enumerate(zip(out_a, out_b)):
+  for i, (la, lb) in enumerate(zip(out_a, out_b, strict=True)):
     np.testing.assert_array_equal(la[0], lb[2], err_msg=f"step {i}")
   assert not np.array_equal(out_a[-1][1], out_b[-1][1])  # the company did differ
 

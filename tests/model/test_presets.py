@@ -1,10 +1,11 @@
-"""Full-size presets by shape only, and a name clash with transformers' optional `kernels` dep."""
+"""Full-size presets by shape only, and the name `kernels`, which transformers' optional
+dependency owns."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -12,13 +13,11 @@ import textwrap
 import jax
 import numpy as np
 import pytest
-from packaging.version import Version
+from checkout import ROOT
 
 from flexfloor_jax.model import transformer as tr
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.runtime import mesh as mesh_lib
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("name,expected", [("8x7b", 46.70e9), ("8x22b", 140.6e9)])
@@ -44,7 +43,8 @@ def test_full_size_parameter_count(name, expected):
   axes = tr.param_logical_axes(abstract)
   size = {"expert": cfg.num_experts, "layer": cfg.num_layers, "embed": cfg.hidden_size,
           "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size}
-  for x, ax in zip(leaves, jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, tuple))):
+  for x, ax in zip(leaves, jax.tree.leaves(axes, is_leaf=lambda a: isinstance(a, tuple)),
+                   strict=True):
     assert len(ax) == x.ndim
     assert all(x.shape[i] == size[a] for i, a in enumerate(ax) if a in size), (x.shape, ax)
   specs = tr.param_specs(abstract)
@@ -57,33 +57,28 @@ def test_full_size_parameter_count(name, expected):
 _PROBE = textwrap.dedent("""
     import importlib.util, json, os
     from transformers.utils import import_utils as iu
-    spec = importlib.util.find_spec("kernels")       # our package, importable (not imported)
-    avail, version = iu._is_package_available("kernels", return_version=True)
-    print(json.dumps({"path": [os.path.realpath(p) for p in spec.submodule_search_locations],
-                      "version": version, "available": iu.is_kernels_available(),
-                      "min": iu.KERNELS_MIN_VERSION}))
+    import flexfloor_jax.kernels as ours
+    spec = importlib.util.find_spec("kernels")
+    print(json.dumps({"kernels": os.path.realpath(spec.origin) if spec and spec.origin else None,
+                      "available": iu.is_kernels_available(),
+                      "ours": os.path.realpath(ours.__file__)}))
 """)
 
 
-def test_transformers_does_not_mistake_our_kernels_package(monkeypatch):
-  """transformers 5.x decides `is_kernels_available()` by find_spec('kernels') plus the version
-  of the distribution that owns the name (importlib.metadata.packages_distributions): here
-  flexfloor-jax, whose 0.x version is below KERNELS_MIN_VERSION (0.18.2), so it is False. Were it
-  True, importing any transformers model would run `from flexfloor_jax.kernels import get_kernel, ...` against
-  our package and fail. Checked in a fresh interpreter (the result is cached per process)."""
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env,
-                       cwd=REPO, timeout=120)
+def test_transformers_never_takes_our_kernels_for_its_own():
+  """transformers imports Hugging Face's `kernels` package when is_kernels_available() says so;
+  our Pallas kernels install as flexfloor_jax.kernels and claim no top-level name. In a fresh
+  interpreter started as the suite starts its children (-P: the checkout's root, and with it its
+  kernels/ folder, off sys.path), the name `kernels` that transformers would import is never the
+  checkout's folder, and ours load under the package."""
+  pytest.importorskip("transformers")
+  res = subprocess.run([sys.executable, "-P", "-c", _PROBE], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
   assert res.returncode == 0, res.stderr[-3000:]
   out = json.loads(res.stdout.strip().splitlines()[-1])
-  assert os.path.join(REPO, "kernels") in out["path"], out
-  assert out["available"] is False, out
-  if out["version"] != "N/A":  # the owning distribution's version: must stay below the range
-    assert Version(out["version"]) < Version(out["min"]), out
-
-  # The fallback when no distribution claims the name (an install whose metadata lacks
-  # top_level.txt): transformers imports the package and reads its __version__.
-  iu = pytest.importorskip("transformers.utils.import_utils")
-  monkeypatch.setattr(iu, "_candidate_distribution_names", lambda name: [])
-  exists, version = iu._is_package_available("kernels", return_version=True)
-  assert version == "N/A" or Version(version) < Version(iu.KERNELS_MIN_VERSION), version
+  assert out["ours"] == str((ROOT / "kernels" / "__init__.py").resolve()), out
+  theirs = out["kernels"]
+  ours_dirs = [(ROOT / d).resolve() for d in ("kernels", "flexfloor_jax")]
+  assert theirs is None or not any(pathlib.Path(theirs).is_relative_to(d) for d in ours_dirs), out
+  if out["available"]:
+    assert theirs is not None, out

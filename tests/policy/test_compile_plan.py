@@ -2,6 +2,7 @@
 not ready is counted, never silent (policy/ready_floor.py). Host-side: numpy only, no compiles."""
 
 import copy
+import itertools
 
 import pytest
 
@@ -49,7 +50,7 @@ def test_with_history_the_sizes_the_replay_reaches_compile_first():
   assert p.expected == [m for _, m in p.predicted_releases]
   assert p.order[:len(p.expected)] == p.expected
   assert sorted(p.order, reverse=True) == [7, 6, 5, 4, 3, 2, 1]
-  assert all(a > b for a, b in zip(p.expected, p.expected[1:]))
+  assert all(a > b for a, b in itertools.pairwise(p.expected))
   # release_sizes: only allowed sizes are compiled at all
   q = _plan(hist, epoch=1, sizes=(8, 4, 2, 1))
   assert sorted(q.order, reverse=True) == [4, 2, 1] and set(q.expected) <= {4, 2, 1}

@@ -21,7 +21,7 @@ class Recording(stepsim.SimExecutor):
     self.worker_steps = 0  # counted here as steps run x workers held, not by accounting
 
   def prefill(self, assign):
-    for w, s, q in assign:
+    for w, _, q in assign:
       self.admitted[w].append(q)
       self.prefill_step[q] = self.steps
     held, before = len(self._active), self.steps
@@ -51,11 +51,13 @@ def test_conservation(policy_kind, seed):
   lengths[::9] = 1
   seqs = mkseqs(lengths)
   if policy_kind == 'static':
-    queues, pol = scheduler.static_placement(seqs, list(range(N))), release_policy.ReleasePolicy(False)
+    queues = scheduler.static_placement(seqs, list(range(N)))
+    pol = release_policy.ReleasePolicy(False)
   else:
-    pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
+    pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths, strict=True)}
     queues = scheduler.flexfloor_placement(seqs, list(pred.values()), list(range(N)), B)
-    pol = release_policy.ReleasePolicy(floor=1, predicted=pred, compaction=policy_kind == 'compaction')
+    pol = release_policy.ReleasePolicy(floor=1, predicted=pred,
+                                       compaction=policy_kind == 'compaction')
   ex = Recording(seqs, N, B)
   rec = run(seqs, queues, ex, pol, steps_per_dispatch=5, clock=lambda: float(ex.steps))
   assert sorted(rec.finishes) == [s.seq_id for s in seqs]
@@ -88,7 +90,8 @@ def test_device_steps_by_hand():
   # static keeps both workers for all 4 steps; with release the idle one goes at step count 1
   seqs = mkseqs([4, 1])
   st = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, release_policy.ReleasePolicy(False), 2, 1, 8)
-  rel = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, release_policy.ReleasePolicy(chain=[1, 0]), 2, 1, 8)
+  rel = stepsim.simulate(seqs, None, {0: [0], 1: [1]}, release_policy.ReleasePolicy(chain=[1, 0]),
+                         2, 1, 8)
   assert st['device_steps'] == 8 and rel['device_steps'] == 2 + 3
   assert st['idle_after_finish_fraction'] == pytest.approx(3 / 8)
 
@@ -108,7 +111,8 @@ def test_continuous_batching():
 def test_dispatch_stops_for_refill_only_where_queued():
   seqs = mkseqs([30, 2, 30, 30])
   ex = Recording(seqs, 2, 2)
-  rec = run(seqs, {0: [0, 1], 1: [2, 3]}, ex, release_policy.ReleasePolicy(False), steps_per_dispatch=64)
+  rec = run(seqs, {0: [0, 1], 1: [2, 3]}, ex, release_policy.ReleasePolicy(False),
+            steps_per_dispatch=64)
   decodes = [r['num_steps'] for r in rec.timeline.steps if r['kind'] == 'decode']
   assert decodes == [29]  # nothing queued: one dispatch to the end (64 would overrun)
 
@@ -135,7 +139,8 @@ def test_bad_queues_rejected():
 
 def test_simulated_wall_time():
   seqs = mkseqs([10] * 8)
-  cost = lambda kind, n_active, live: 0.01 * n_active + (0.05 if kind == 'prefill' else 0.0)
+  def cost(kind, n_active, live):
+    return 0.01 * n_active + (0.05 if kind == 'prefill' else 0.0)
   m = stepsim.simulate(seqs, None, scheduler.static_placement(seqs, [0, 1]),
                        release_policy.ReleasePolicy(False), 2, 2, 4, step_cost=cost)
   expect = m['prefill_steps'] * 0.07 + m['decode_steps'] * 0.02
@@ -155,7 +160,8 @@ def test_stepsim_jump_is_the_stop_rule_applied_step_by_step():
     ex.prefill([(w, 0, w * b) for w in range(n)])
     for s in range(1, b):
       ex.prefill([(w, s, w * b + s) for w in range(n) if rng.random() < 0.7])
-    rem = np.array([[r if q >= 0 else 0 for q, r in zip(ex.slot_seq[w], ex.remaining[w])]
+    rem = np.array([[r if q >= 0 else 0
+                     for q, r in zip(ex.slot_seq[w], ex.remaining[w], strict=True)]
                     for w in range(n)])
     refill, idle = rng.random(n) < 0.5, rng.random(n) < 0.5
     max_steps = int(rng.integers(1, 16))

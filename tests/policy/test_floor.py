@@ -1,4 +1,5 @@
-"""policy/params.py: parameter counts and expert slots, against hand-computed values."""
+"""model/param_count.py and policy/floor.py: parameter counts and expert slots, against
+hand-computed values."""
 
 import pytest
 

@@ -171,8 +171,9 @@ def test_deterministic_page_ids():
 
     from flexfloor_jax.policy.controller import run
     ex = Snap(pool, seqs, 2, 5)
-    rec = run(seqs, scheduler.static_placement(seqs, [0, 1]), ex, release_policy.ReleasePolicy(False),
-              steps_per_dispatch=4, clock=lambda: float(ex.steps), kv=pool)
+    rec = run(seqs, scheduler.static_placement(seqs, [0, 1]), ex,
+              release_policy.ReleasePolicy(False), steps_per_dispatch=4,
+              clock=lambda: float(ex.steps), kv=pool)
     return np.stack(tables), pool.preemptions, rec.metrics()
   t1, p1, m1 = once()
   t2, p2, m2 = once()
@@ -188,12 +189,17 @@ def test_paged_with_full_rows_runs_the_fixed_slot_steps(policy_kind):
   N, B, P, L = 4, 3, 8, 72  # prompt 8 + max_new 64 = 72 = 9 pages
   lengths = rng.integers(1, 64, size=37)
   seqs = mkseqs(lengths)
-  pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
+  pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths, strict=True)}
   if policy_kind == 'static':
-    queues, mk = scheduler.static_placement(seqs, list(range(N))), lambda: release_policy.ReleasePolicy(False)
+    queues = scheduler.static_placement(seqs, list(range(N)))
+
+    def mk():
+      return release_policy.ReleasePolicy(False)
   else:
     queues = scheduler.flexfloor_placement(seqs, list(pred.values()), list(range(N)), B)
-    mk = lambda: release_policy.ReleasePolicy(floor=1, predicted=pred, compaction=True)
+
+    def mk():
+      return release_policy.ReleasePolicy(floor=1, predicted=pred, compaction=True)
   m0, r0 = stepsim.simulate(seqs, None, queues, mk(), N, B, 5, return_record=True)
   pool = PagePool(N, pages.equal_budget_pages(B, L, P), P, B, predicted=pred, margin=1e9)
   m1, r1 = stepsim.simulate(seqs, None, queues, mk(), N, B, 5, return_record=True, kv=pool)
@@ -232,7 +238,7 @@ def test_makespan_lower_bound_holds_on_simulated_runs(seed):
   N, S, P = 3, 4, 8
   lengths = rng.integers(1, 64, size=29)
   seqs = mkseqs(lengths)
-  pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths)}
+  pred = {s.seq_id: float(n) * rng.uniform(0.5, 1.5) for s, n in zip(seqs, lengths, strict=True)}
   lb = pages.makespan_lower_bound(seqs, {s.seq_id: s.target_len for s in seqs}, N, 12, P, S)
   for queues in (scheduler.static_placement(seqs, list(range(N))),
                  scheduler.balanced_placement(seqs, list(pred.values()), list(range(N)), S)):

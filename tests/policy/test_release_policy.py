@@ -184,7 +184,8 @@ def test_work_stealing_shortens_completion():
   seqs = mkseqs([50, 50, 50, 10])
   q = {0: [0, 1, 2], 1: [3]}
   pred = {s.seq_id: s.target_len for s in seqs}
-  off = stepsim.simulate(seqs, None, q, ReleasePolicy(floor=2, predicted=pred, steal=False), 2, 1, 8)
+  off = stepsim.simulate(seqs, None, q, ReleasePolicy(floor=2, predicted=pred, steal=False),
+                         2, 1, 8)
   on, rec = stepsim.simulate(seqs, None, q, ReleasePolicy(floor=2, predicted=pred), 2, 1, 8,
                              return_record=True)
   assert on['makespan_steps'] <= off['makespan_steps'] - 40

@@ -1,11 +1,5 @@
-"""Static placement, length history (atomic, loud on corruption), prediction, FlexFloor placement."""
+"""Static placement, prediction, FlexFloor placement. (The length history: test_history.py.)"""
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -13,13 +7,8 @@ import pytest
 from flexfloor_jax.policy import prediction, release_policy, scheduler, stepsim, workload
 from flexfloor_jax.policy.controller import Seq, run
 from flexfloor_jax.policy.history import (
-  HISTORY_FORMAT,
-  HISTORY_VERSION,
-  HistoryError,
   LengthHistory,
 )
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_static_placement_is_contiguous_chunks():
@@ -29,71 +18,6 @@ def test_static_placement_is_contiguous_chunks():
   assert all(len({seqs[i].prompt_id for i in v}) == 1 for v in q.values())  # a group per worker
   q = scheduler.static_placement(seqs[:10], [0, 1, 2])
   assert [len(v) for v in q.values()] == [4, 3, 3] and sum(q.values(), []) == list(range(10))
-
-
-def test_history_roundtrip(tmp_path):
-  p = str(tmp_path / 'h.json')
-  assert len(LengthHistory.load(p)) == 0  # missing file: empty history
-  h = LengthHistory()
-  h.add('a', 0, [3, 4])
-  h.add('a', 2, [5])
-  h.add('b', 1, [7])
-  h.save(p)
-  h2 = LengthHistory.load(p)
-  assert h2.data == {'a': {0: [3, 4], 2: [5]}, 'b': {1: [7]}}
-  doc = json.load(open(p))
-  assert doc['format'] == HISTORY_FORMAT and doc['version'] == HISTORY_VERSION
-  assert os.listdir(tmp_path) == ['h.json']
-
-
-@pytest.mark.parametrize('content, match', [
-    ('{"format": "flexfloor_jax.length_history", "version": 1, "prom', 'corrupt'),
-    (b'\xff\xfe\x00', 'corrupt'),
-    ('{"hello": 1}', 'not a flexfloor_jax length history'),
-    ('[1, 2]', 'not a flexfloor_jax length history'),
-    ('{"format": "flexfloor_jax.length_history", "version": 99, "prompts": {}}', 'version 99'),
-    ('{"format": "flexfloor_jax.length_history", "version": 1, "prompts": {"a": 3}}', 'malformed'),
-])
-def test_corrupt_history_names_path(tmp_path, content, match):
-  p = tmp_path / 'hist.json'
-  p.write_bytes(content if isinstance(content, bytes) else content.encode())
-  with pytest.raises(HistoryError, match=match) as e:
-    LengthHistory.load(str(p))
-  assert str(p) in str(e.value)
-
-
-def test_history_save_is_crash_safe(tmp_path):
-  p = str(tmp_path / 'hist.json')
-  old = LengthHistory()
-  old.add('a', 0, [1, 2, 3])
-  old.save(p)
-  # A child process starts saving a much bigger history and is SIGKILLed mid-save (after the
-  # data went to the temp file, before the rename): the old file must be intact.
-  child = textwrap.dedent(f'''
-      import os, sys, time
-      sys.path.insert(0, {ROOT!r})
-      from flexfloor_jax.policy.history import LengthHistory
-      def slow_fsync(fd):
-        print('writing', flush=True)
-        time.sleep(60)
-      os.fsync = slow_fsync
-      h = LengthHistory.load({p!r})
-      for i in range(1000):
-        h.add(f'p{{i}}', 1, list(range(50)))
-      h.save({p!r})
-  ''')
-  proc = subprocess.Popen([sys.executable, '-c', child], stdout=subprocess.PIPE, text=True)
-  try:
-    assert proc.stdout.readline().strip() == 'writing'
-    os.kill(proc.pid, signal.SIGKILL)
-  finally:
-    proc.wait(timeout=30)
-  assert LengthHistory.load(p).data == {'a': {0: [1, 2, 3]}}
-  # and a completed save replaces it
-  new = LengthHistory.load(p)
-  new.add('b', 1, [9])
-  new.save(p)
-  assert LengthHistory.load(p).data == {'a': {0: [1, 2, 3]}, 'b': {1: [9]}}
 
 
 def test_prediction_quality_by_hand():
@@ -160,7 +84,8 @@ def test_flexfloor_puts_long_on_tail():
   pred = np.array([s.target_len for s in seqs], float)  # oracle predictions
   chain = list(range(8))
   q = scheduler.flexfloor_placement(seqs, pred, chain, 4)
-  mean = lambda w: np.mean([pred[i] for i in q[w]]) if q[w] else 0.0
+  def mean(w):
+    return np.mean([pred[i] for i in q[w]]) if q[w] else 0.0
   assert mean(chain[-1]) > mean(chain[0])
   for w in chain:  # longest predicted first within a worker
     assert [pred[i] for i in q[w]] == sorted([pred[i] for i in q[w]], reverse=True)
@@ -173,7 +98,8 @@ def _two_long_six_short():
   from flexfloor_jax.policy.pages import PagePool
   seqs = [Seq(i, f'p{i}', 0, 4, n, 60) for i, n in enumerate([40, 40] + [4] * 6)]
   pred = [float(s.target_len) for s in seqs]
-  kv = lambda p: PagePool(2, 16, 4, 4, predicted=p, margin=0.0)
+  def kv(p):
+    return PagePool(2, 16, 4, 4, predicted=p, margin=0.0)
   return seqs, pred, kv
 
 
@@ -227,8 +153,10 @@ def test_pool_load_only_where_pages_can_bind():
   from flexfloor_jax.policy.pages import PagePool
   seqs, pred, kv = _two_long_six_short()
   assert isinstance(scheduler.PoolLoad.for_pool(seqs, pred, kv, 5), scheduler.PoolLoad)
-  roomy = lambda p: PagePool(2, 44, 4, 4, predicted=p, margin=0.0)
+  def roomy(p):
+    return PagePool(2, 44, 4, 4, predicted=p, margin=0.0)
   assert scheduler.PoolLoad.for_pool(seqs, pred, roomy, 5) is None
-  tight = lambda p: PagePool(2, 43, 4, 4, predicted=p, margin=0.0)
+  def tight(p):
+    return PagePool(2, 43, 4, 4, predicted=p, margin=0.0)
   assert isinstance(scheduler.PoolLoad.for_pool(seqs, pred, tight, 5), scheduler.PoolLoad)
   assert scheduler.PoolLoad.for_pool(seqs, pred, None, 5) is None

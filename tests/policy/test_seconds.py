@@ -40,8 +40,9 @@ def test_shared_queue_takes_waiting_work_and_conserves():
   pred = {x.seq_id: float(x.target_len) for x in s}
   alone = stepsim.simulate(s, None, queues, release_policy.ReleasePolicy(enabled=False), 4, 1, 8,
                            return_record=True)
-  shared = release_policy.ReleasePolicy(floor=4, chain=[0, 1, 2, 3], predicted=pred, shared_queue=True,
-                                 compaction=False, swap=False, steal=False)
+  shared = release_policy.ReleasePolicy(floor=4, chain=[0, 1, 2, 3], predicted=pred,
+                                        shared_queue=True, compaction=False, swap=False,
+                                        steal=False)
   m, rec = stepsim.simulate(s, None, queues, shared, 4, 1, 8, return_record=True)
   assert sorted(rec.finishes) == sorted(pred)
   assert {f.num_tokens for f in rec.finishes.values()} == set(lengths)

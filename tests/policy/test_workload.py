@@ -1,4 +1,5 @@
-"""Synthetic lengths: deterministic, stable per prompt, capped, calibrated; JSONL files."""
+"""Synthetic lengths: deterministic, stable per prompt, capped; JSONL files. (The calibration of
+the default sigma: sim/test_calibrate.py.)"""
 
 import dataclasses
 
@@ -33,29 +34,6 @@ def test_make_seqs_verl_order():
   assert [s.sample for s in seqs[:9]] == list(range(8)) + [0]
   assert all(s.max_new_tokens == W.DEFAULT_CAP for s in seqs)
   assert W.make_seqs(W.WorkloadSpec(), with_targets=False)[0].target_len is None
-
-
-def test_default_static_idle_near_paper():
-  idle = W.static_idle(W.WorkloadSpec())
-  assert abs(idle.mean() - W.IDLE_TARGET) < 0.02, idle
-
-
-def test_calibrate_sigma_picks_nearest():
-  """calibrate_sigma returns the grid sigma whose static idle is nearest the target, with that
-  sigma's idle: checked against static_idle of every grid point, on a grid without
-  DEFAULT_SIGMA, in either grid order, and at targets below and above every grid point."""
-  grid, epochs = [0.1, 0.5, 1.0], range(4)
-  idle = {g: float(W.static_idle(dataclasses.replace(W.WorkloadSpec(), sigma=g), epochs).mean())
-          for g in grid}
-  assert idle[0.1] < idle[1.0]  # wider spread of prompt lengths, more idle after finishing
-  picked = {}
-  for target in (W.IDLE_TARGET, 0.0, 1.0):
-    s, got = W.calibrate_sigma(target, grid=grid, epochs=epochs)
-    assert s in grid and got == pytest.approx(idle[s])
-    assert all(abs(got - target) <= abs(i - target) for i in idle.values()), (target, s, idle)
-    assert W.calibrate_sigma(target, grid=grid[::-1], epochs=epochs)[0] == s
-    picked[target] = s
-  assert picked[0.0] == min(idle, key=idle.get) and picked[1.0] == max(idle, key=idle.get)
 
 
 def test_jsonl_roundtrip(tmp_path):

@@ -1,15 +1,20 @@
 """Routing replay (rl): the training forward can use the experts the rollout recorded instead of
 its own top-k. Replaying a model's own routing changes nothing (bitwise); replaying another
 routing gives the same log-probs on the ep path (8 workers) as on the dense single-device
-reference with the same routing, and the layers report the replayed experts."""
+reference with the same routing, and the layers report the replayed experts. The log-prob
+comparisons between two programs run as a user's run compiles (`user_flags`, test_user_flags.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from rl_utils import grpo_config
 
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
-from flexfloor_jax.rl import actor
+from flexfloor_jax.model.tokenizer import ByteTokenizer
+from flexfloor_jax.rl import actor, tasks, train
+from flexfloor_jax.rollout import runner
 from flexfloor_jax.runtime import mesh as mesh_lib
 
 CFG = PRESETS["tiny"].replace(num_layers=2)
@@ -38,6 +43,7 @@ def test_replaying_own_routing_is_bitwise_identity():
   assert np.array_equal(np.asarray(aux["experts"]), np.asarray(aux2["experts"]))
 
 
+@pytest.mark.user_flags
 def test_replayed_routing_ep_equals_dense_reference():
   params, tokens, valid = _inputs(1)
   _, aux = tfm.forward(params, CFG, tokens, valid_BT=valid)
@@ -47,7 +53,8 @@ def test_replayed_routing_ep_equals_dense_reference():
   other = np.stack([rng.permutation(CFG.num_experts)[:CFG.top_k]
                     for _ in range(own.size // CFG.top_k)]).reshape(own.shape).astype(np.int32)
   assert (np.sort(other, -1) != np.sort(own, -1)).any(-1).mean() > 0.5
-  logits_ref, aux_ref = tfm.forward(params, CFG, tokens, valid_BT=valid, route_LBTK=jnp.asarray(other))
+  logits_ref, aux_ref = tfm.forward(params, CFG, tokens, valid_BT=valid,
+                                    route_LBTK=jnp.asarray(other))
   assert np.array_equal(np.asarray(aux_ref["experts"]).reshape(other.shape), other)
   logits_own, _ = tfm.forward(params, CFG, tokens, valid_BT=valid)
   ref = _logp(logits_ref, tokens)
@@ -65,16 +72,11 @@ def test_replayed_routing_ep_equals_dense_reference():
   assert np.abs(own_ep - _logp(logits_own, tokens))[m].max() <= TOL
 
 
+@pytest.mark.user_flags
 def test_rollout_records_routes_and_replay_matches_rollout(tmp_path):
   """rollout.record_routes: each response carries its tokens' experts per layer; they are the
   experts the training forward picks for the same tokens, and replaying them reproduces the
   rollout's log-probs (<= 1e-4)."""
-  from rl_utils import grpo_config
-
-  from flexfloor_jax.model.tokenizer import ByteTokenizer
-  from flexfloor_jax.rl import tasks, train
-  from flexfloor_jax.rollout import runner
-
   c = grpo_config(tmp_path)
   c.rollout.prompts, c.rollout.output_dir = str(tmp_path / "prompts.jsonl"), str(tmp_path)
   c.rollout.record_routes = True

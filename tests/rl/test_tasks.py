@@ -49,7 +49,7 @@ def test_rewards_exact_partial_and_zero():
   assert tasks.reward({"task": "add", "answer": "85"}, "85") == 1.0
 
 
-def user_reward(prompt, response):  # named by test_user_reward_fn as "test_rl_tasks:user_reward"
+def user_reward(prompt, response):  # named by test_user_reward_fn as "test_tasks:user_reward"
   return float(len(response) == len(prompt["answer"]))
 
 
@@ -57,13 +57,13 @@ def test_user_reward_fn(monkeypatch):
   import os
   import sys
   monkeypatch.syspath_prepend(os.path.dirname(__file__))
-  f = tasks.load_reward_fn("test_rl_tasks:user_reward")
+  f = tasks.load_reward_fn("test_tasks:user_reward")
   assert f({"answer": "abc"}, "xyz") == 1.0 and f({"answer": "abc"}, "x") == 0.0
   assert tasks.load_reward_fn("") is tasks.reward
   with pytest.raises(ValueError, match="module:function"):
     tasks.load_reward_fn("nocolon")
   with pytest.raises(ValueError, match="reward_fn"):
-    tasks.load_reward_fn("test_rl_tasks:nope")
+    tasks.load_reward_fn("test_tasks:nope")
   with pytest.raises(ValueError, match="unknown task"):
     tasks.make_prompts("sort,juggle", 2, 0)
   del sys

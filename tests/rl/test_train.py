@@ -2,7 +2,7 @@
 with SIGKILL resumes from its last complete checkpoint (whose length history wins over a newer
 history file) with bitwise-equal deterministic metrics, and so does a run whose newest checkpoint
 was damaged (it falls back to the one before). (static == flexfloor step by step:
-test_rl_grpo.py.)"""
+test_grpo.py.)"""
 
 import logging
 import os
@@ -13,13 +13,12 @@ import sys
 import time
 
 import pytest
-from rl_utils import ROOT, config_flags, grpo_config
+from checkout import CACHE, ROOT
+from rl_utils import config_flags, grpo_config
 
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rl import checkpoints as ckpts
 from flexfloor_jax.rl import train
-
-CACHE = os.environ.get("FLEXFLOOR_JAX_CACHE", os.path.join(ROOT, ".jax_cache"))
 
 VERL_KEYS = ("critic/score/mean", "response_length/mean", "response_length/max",
              "response_length/clip_ratio", "actor/pg_loss", "actor/kl", "actor/grad_norm",
@@ -63,9 +62,9 @@ def test_metrics_files_and_names(straight):
 
 
 def test_resume_after_damaged_latest_checkpoint(straight, tmp_path, caplog, step_caches):
-  """Issue 20 (4): step 3's data file truncated and a stray step_6.bak beside it. Before: a
-  tensorstore error dump, no resume. Now: a warning naming step_3, step 2 restored, step 3 redone
-  bitwise as the straight run did it, and a verified step 3 written again."""
+  """Step 3's data file truncated and a stray step_6.bak beside it: a warning naming step_3,
+  step 2 restored, step 3 redone bitwise as the straight run did it, and a verified step 3
+  written again."""
   out, full = straight
   run = tmp_path / "run"
   shutil.copytree(out, run)

@@ -1,5 +1,5 @@
-"""Issue 20, problems 2 and 3, and two leftovers: each case reproduces what a hostile but
-realistic user hit, and checks the run now stops with one clear error or recovers, losing nothing.
+"""A rollout's output directory (rollout/outputs.py, io/output_dir.py) against what a hostile but
+realistic user does to it: the run stops with one clear error or recovers, losing nothing.
 
 1. An output_dir that is a file, read-only or not creatable fails before anything is compiled,
    naming the field and the path (rollout, library and CLI paths; rl.train).
@@ -11,7 +11,8 @@ realistic user hit, and checks the run now stops with one clear error or recover
 4. Non-finite log-probs never reach responses.jsonl (invalid JSON): a clear error naming the
    prompt.
 5. runner.run called directly checks the length history as the CLI does.
-Host-side parts in-process; the rollouts use test_elastic's tiny shapes (no new compiles).
+Host-side parts in-process; the rollouts use engine/test_elastic.py's tiny shapes (no new
+compiles).
 """
 
 from __future__ import annotations
@@ -25,18 +26,17 @@ import socket
 import subprocess
 import sys
 
+import engine_utils
 import pytest
+from checkout import ROOT
+from rl_utils import grpo_config
 
-sys.path.insert(0, os.path.dirname(__file__))
-import engine_utils  # noqa: E402
-from rl_utils import ROOT, grpo_config  # noqa: E402
-
-from flexfloor_jax.io import output_dir  # noqa: E402
-from flexfloor_jax.io.atomic import atomic_write  # noqa: E402
-from flexfloor_jax.policy.history import LengthHistory  # noqa: E402
-from flexfloor_jax.rollout import outputs as rollout_outputs  # noqa: E402
+from flexfloor_jax.io import output_dir
+from flexfloor_jax.io.atomic import atomic_write
+from flexfloor_jax.policy.history import LengthHistory
+from flexfloor_jax.rollout import outputs as rollout_outputs
 from flexfloor_jax.rollout import runner
-from flexfloor_jax.rollout.inputs import prepare_rollout  # noqa: E402
+from flexfloor_jax.rollout.inputs import prepare_rollout
 
 
 def _config(out):
@@ -94,8 +94,9 @@ def _fail_open_under(monkeypatch, root, err):
 @pytest.mark.parametrize("case", ["existing_file", "under_a_file", "read_only_fs", "no_permission"])
 def test_unusable_output_dir_fails_before_compiling(tmp_path, model, no_compile, monkeypatch,
                                                     case):
-  """Before: the whole rollout ran, then a traceback not naming output_dir (FileExistsError,
-  NotADirectoryError, EROFS) threw it away."""
+  """A file, a path under a file, a read-only filesystem, a directory without write permission:
+  refused before anything is compiled (not after a whole rollout, which would be thrown away),
+  naming rollout.output_dir and the path."""
   blocker = tmp_path / "a_file"
   blocker.write_text("x")
   out = {"existing_file": blocker, "under_a_file": blocker / "out"}.get(case, tmp_path / "out")
@@ -127,8 +128,8 @@ _HOLD = ("import os, sys; from flexfloor_jax.io import output_dir; "
 
 def test_second_run_fails_at_once_and_a_killed_holder_is_taken_over(tmp_path, model, no_compile,
                                                                     caplog, monkeypatch):
-  """Before: two runs on one directory both exited 0, and one run's lengths vanished from
-  history.json."""
+  """Two runs on one directory would both write history.json, one run's lengths lost: the second
+  fails at once naming the holder; a lock whose holder was killed is taken over."""
   out = tmp_path / "out"
   holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -203,8 +204,8 @@ def _tags(out, names) -> dict:
 @pytest.mark.parametrize("via", ["set", "runner"])
 @pytest.mark.parametrize("old_layout", [False, True])
 def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, old_layout, via):
-  """Before: kill -9 between the renames left an epoch-1 responses.jsonl beside an epoch-0
-  summary.json. Here a publish is killed at each of its filesystem steps in turn: a reader
+  """A publish killed at each of its filesystem steps in turn (kill -9 between two renames
+  could leave one run's responses.jsonl beside another run's summary.json): a reader
   sees the previous set or the new one, whole (a name may be missing while an older version's
   in-place files are replaced, never another run's). `runner`: the rollout's own publish."""
   if via == "set":  # the next set lacks a name of the previous one, and adds one
@@ -226,9 +227,9 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
     monkeypatch.setattr(accounting, "plot_timeline", plot)
 
     def publish(out, tag):
-      rollout_outputs.publish_outputs(str(out), [{"prompt_id": tag, "sample": 0, "logprobs": [-1.0]}],
-                             {"run": tag}, None, tag, LengthHistory({tag: {0: [2]}}),
-                             str(out / "history.json"))
+      rows = [{"prompt_id": tag, "sample": 0, "logprobs": [-1.0]}]
+      rollout_outputs.publish_outputs(str(out), rows, {"run": tag}, None, tag,
+                                      LengthHistory({tag: {0: [2]}}), str(out / "history.json"))
   k = 0
   while True:
     out = tmp_path / f"k{k}"
@@ -240,7 +241,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
       publish(out, "RUN-A")
     calls = [0]
 
-    def killer(real):
+    def killer(real, calls=calls, k=k):  # this kill point's counter
       def f(*args, **kw):
         calls[0] += 1
         if calls[0] > k:
@@ -276,7 +277,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
 
 
 def test_output_files_get_the_umask_mode(tmp_path):
-  """Before: mkstemp's 0600, whatever the umask."""
+  """Files get the mode the umask gives (mkstemp alone would give 0600 whatever the umask)."""
   old = os.umask(0o027)
   try:
     atomic_write(str(tmp_path / "single.json"), "{}")
@@ -296,8 +297,8 @@ def test_output_files_get_the_umask_mode(tmp_path):
                                           (errno.EROFS, "timeline.png"),
                                           (errno.ENOSPC, "responses.jsonl")])
 def test_disk_error_names_the_file_and_keeps_the_responses(tmp_path, monkeypatch, err, failing):
-  """Before: a full disk midway left a new responses.jsonl beside an old timeline.png and
-  history, with a traceback not naming output_dir."""
+  """A disk error midway (full, read-only) publishes nothing, names rollout.output_dir, the file
+  and the error, and keeps the responses in the error."""
   from flexfloor_jax.policy import accounting
   out = tmp_path / "out"
   old = {n: f"A:{n}" for n in rollout_outputs.ROLLOUT_OUTPUTS}
@@ -391,7 +392,7 @@ def test_logprob_check_names_the_first_response():
 
 
 def test_library_run_checks_history_values(tmp_path, model, no_compile):
-  """Before: runner.run (not the CLI) used a history with impossible lengths unchecked."""
+  """runner.run called directly (not through the CLI) checks the history's lengths too."""
   out = tmp_path / "out"
   out.mkdir()
   path = out / "history.json"

@@ -1,13 +1,15 @@
-"""End to end on the default workload and shape (stepsim): FlexFloor vs static vs release-only."""
+"""sim/epochs.py end to end on the default workload and shape (step simulator): FlexFloor vs
+static vs release alone, epoch after epoch."""
 
 import pytest
 
-from flexfloor_jax.policy import stepsim, workload
+from flexfloor_jax.policy import workload
+from flexfloor_jax.sim import epochs
 
 
 @pytest.fixture(scope='module')
 def results():
-  return stepsim.compare_epochs(workload.WorkloadSpec(), range(2, 4), num_scenarios=4)
+  return epochs.compare_epochs(workload.WorkloadSpec(), range(2, 4), num_scenarios=4)
 
 
 def ratio(x, kind):
@@ -27,7 +29,8 @@ def test_compaction_with_placement_unchanged_goes_past_the_ceiling(results):
   # workers that could otherwise go removes more
   for x in results:
     ceiling = 1 / (1 - x['static']['idle_after_finish_fraction'])
-    assert ratio(x, 'release_compaction') > 1.03 * ceiling, (ratio(x, 'release_compaction'), ceiling)
+    rc = ratio(x, 'release_compaction')
+    assert rc > 1.03 * ceiling, (rc, ceiling)
     assert x['release_compaction']['generated_tokens'] == x['static']['generated_tokens']
 
 

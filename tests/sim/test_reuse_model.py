@@ -1,4 +1,4 @@
-"""policy/reuse.py (numpy only): the log-prob phase with and without released-device reuse,
+"""sim/reuse.py (numpy only): the log-prob phase with and without released-device reuse,
 against hand-computed schedules."""
 
 import pytest
