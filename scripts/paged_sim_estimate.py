@@ -34,14 +34,14 @@ def main(argv=None):
   ap.add_argument("--kv_margin", type=float, default=None)
   a = ap.parse_args(argv)
 
-  from flexfloor_jax.config import cli, settings
+  from flexfloor_jax.config import files, settings
   from flexfloor_jax.model.tokenizer import load_tokenizer
   from flexfloor_jax.policy import pages
   from flexfloor_jax.policy.history import LengthHistory
   from flexfloor_jax.rollout import inputs, kv_pool
   from flexfloor_jax.sim import replay
 
-  config = cli.load_config(a.config, "tiny")
+  config = files.load_config(a.config, "tiny")
   config.rollout.kv = "paged"
   for k, v in (("page_size", a.page_size), ("max_seqs_per_worker", a.max_seqs),
                ("kv_pages", a.kv_pages), ("kv_margin", a.kv_margin)):

@@ -206,7 +206,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
       lo = step.lower(rest, held[e], *abstract(b, s))
-    except Exception as ex:  # noqa: BLE001 - reported per job
+    except Exception as ex:  # reported per job
       f = concurrent.futures.Future()
       f.set_result((ex, time.perf_counter() - t0))
       return f
@@ -216,7 +216,7 @@ def main(argv=None):
       t1 = time.perf_counter()
       try:
         return lo.compile(), t_lower + time.perf_counter() - t1
-      except Exception as ex:  # noqa: BLE001
+      except Exception as ex:
         return ex, t_lower + time.perf_counter() - t1
 
     return pool.submit(comp)
@@ -246,7 +246,7 @@ def main(argv=None):
   try:
     st = dev.memory_stats() or {}
     meta["device_memory_bytes_limit"] = int(st.get("bytes_limit", 0)) or None
-  except Exception:  # noqa: BLE001 - not every backend reports memory stats
+  except Exception:  # not every backend reports memory stats
     pass
 
   def write():
@@ -357,7 +357,7 @@ def main(argv=None):
       if isinstance(exe, Exception):
         raise exe
       med, reps, state = time_compiled(exe, e, state)
-    except Exception as ex:  # noqa: BLE001 - recorded; the table stands without it
+    except Exception as ex:  # recorded; the table stands without it
       meta["variants"].append(dict(v, error=f"{type(ex).__name__}: {ex}"[:800]))
       log(f"{tag}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
       state_b = None  # donated buffers may be gone

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.moe import EPConfig, ep_moe

@@ -1,6 +1,6 @@
 """Small GRPO configs for the tests of rl/ (tiny preset, random init, a few tokens)."""
 
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 
 # What grpo_config sets over configs/grpo.py's tiny preset, besides the run's own fields; a
 # trainer child gets the same values as flags (config_flags), so both run the same programs.

@@ -8,9 +8,6 @@ from typing import NoReturn
 from absl import flags
 from ml_collections import config_flags
 
-# Re-exported: the entry points load config files by name through this module too.
-from flexfloor_jax.config.files import load_config as load_config
-
 
 def fail(msg: str) -> NoReturn:
   """One clear line on stderr and a non-zero exit (no traceback for bad input)."""

@@ -69,7 +69,7 @@ def _on_cpu() -> bool:
   try:  # no accelerator plugin installed: CPU
     return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin",
                                                         "libtpu", "jax_rocm60_plugin"))
-  except Exception:  # noqa: BLE001
+  except Exception:
     return True
 
 

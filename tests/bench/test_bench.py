@@ -15,7 +15,7 @@ from checkout import ROOT
 
 from flexfloor_jax.bench import document, report, runs
 from flexfloor_jax.config import settings
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 from flexfloor_jax.config.settings import ConfigError
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.rollout import runner

@@ -14,7 +14,7 @@ import pytest
 from checkout import ROOT
 
 from flexfloor_jax.config import settings
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 from flexfloor_jax.config.settings import ConfigError, load
 from flexfloor_jax.model.config import PRESETS
 
@@ -295,7 +295,7 @@ def test_a_lengths_file_is_accepted(tmp_path):
 def test_settings_import_no_jax():
   """Every entry point's settings load in a fresh interpreter without jax or flax."""
   code = ("import sys\n"
-          "from flexfloor_jax.config.cli import load_config\n"
+          "from flexfloor_jax.config.files import load_config\n"
           "from flexfloor_jax.config import settings\n"
           "for name, entry in (('mixtral', 'rollout'), ('bench', 'bench'), ('grpo', 'sft'),\n"
           "                    ('grpo', 'train')):\n"

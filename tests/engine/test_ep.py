@@ -482,7 +482,7 @@ def test_exchange_setting_reaches_the_layer():
   not exist), an explicit value reaches EngineSpec's EPConfig, and a bad value fails the config
   check and EPConfig alike."""
   from flexfloor_jax import engine as engine_lib
-  from flexfloor_jax.config.cli import load_config
+  from flexfloor_jax.config.files import load_config
   from flexfloor_jax.config.settings import ConfigError, load
   spec = engine_lib.EngineSpec(cfg=TINY, slots_per_worker=2, expert_slots=4, max_seq_len=16,
                                max_prompt_len=8, max_new_tokens=8, sampling=None)

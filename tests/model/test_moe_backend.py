@@ -11,7 +11,7 @@ import pytest
 
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.config import settings
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 from flexfloor_jax.engine.sampling import SamplingParams
 from flexfloor_jax.model.config import MOE_BACKENDS, PRESETS, resolve_moe_backend
 from flexfloor_jax.rl import actor as actor_lib
@@ -60,7 +60,7 @@ def test_check_needs_no_jax():
   """The field is checked by settings.load, which imports no jax (a fresh interpreter)."""
   code = ("import sys\n"
           "from flexfloor_jax.config import settings\n"
-          "from flexfloor_jax.config.cli import load_config\n"
+          "from flexfloor_jax.config.files import load_config\n"
           "c = load_config('mixtral', 'tiny')\n"
           "c.model.moe_backend = 'bogus'\n"
           "try:\n"

@@ -12,7 +12,7 @@ import pytest
 from engine_utils import CompileCounter
 
 from flexfloor_jax.config import settings
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 
 
 @pytest.mark.parametrize("entry, field, value, expect", [

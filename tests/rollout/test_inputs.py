@@ -23,7 +23,7 @@ import pytest
 from engine_utils import CompileCounter
 
 from flexfloor_jax import engine
-from flexfloor_jax.config.cli import load_config
+from flexfloor_jax.config.files import load_config
 from flexfloor_jax.config.settings import ConfigError
 from flexfloor_jax.model.config import PRESETS, model_identity
 from flexfloor_jax.rollout import runner
@@ -211,7 +211,7 @@ def test_bad_input_fails_before_compiling_naming_the_field(cases, name, engine_f
 
 def test_config_file_errors_name_the_preset_and_the_file():
   """`--config=configs/mixtral.py:nope` and a config file that does not exist: the CLIs load
-  config files by name through config.cli.load_config."""
+  config files by name through config.files.load_config."""
   with pytest.raises(ValueError, match=r"preset 'nope'"):
     load_config("mixtral", "nope")
   with pytest.raises(OSError, match=r"configs/missing\.py"):
