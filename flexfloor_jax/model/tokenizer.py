@@ -54,7 +54,6 @@ class HFTokenizer:
   what the model was trained with); pad is the tokenizer's if it defines one."""
 
   def __init__(self, path: str, bos_id: int | None = None, eos_id: int | None = None):
-
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     self._tok = _Tok.from_file(file)
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
