@@ -14,7 +14,7 @@ timeline: what `python -m flexfloor_jax.sim --calibrate=... --predict=...` reads
 
 from __future__ import annotations
 
-from absl import app, flags
+from absl import flags
 
 from flexfloor_jax.bench import report, runs
 from flexfloor_jax.config import cli, settings
@@ -60,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=cli.parse_flags)
+  cli.run(main)

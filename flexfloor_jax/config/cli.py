@@ -1,11 +1,14 @@
 """Shared bits of the command-line entry points: one-line errors and the --config flag with "did
 you mean" help for misspelled fields (the config's fields are checked by settings.load)."""
 
+import os
 import re
+import signal
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 
@@ -71,3 +74,27 @@ def config_loaded(config) -> None:
   except OSError as e:
     config_file_error(e)
 
+
+INTERRUPTED = 130  # the shell's exit status for a run ended by SIGINT
+
+
+def run(main: Callable[[list[str]], object]) -> NoReturn:
+  """absl's app.run with this module's flag parser, for the entry points that take --config.
+  Ctrl-C or SIGTERM ends the run with one line instead of a traceback: the exception unwinds
+  first, so the output directory's lock is released and its staging removed, and outputs are
+  published all-or-nothing, so the directory keeps a complete set. The exit is immediate after
+  that: compiles still running in background threads would otherwise hold the process."""
+  signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+  def interruptible(argv):
+    try:
+      return main(argv)
+    except KeyboardInterrupt:
+      print("error: interrupted; the output directory keeps its last complete set of outputs",
+            file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(INTERRUPTED)
+
+  app.run(interruptible, flags_parser=parse_flags)
+  raise AssertionError("app.run returned")  # it exits

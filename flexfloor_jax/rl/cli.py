@@ -3,9 +3,9 @@
 jax's config before the first JAX operation. A misspelled --config field fails in one line with a
 "did you mean", as the rollout CLI does."""
 
-from absl import app, flags
+from absl import flags
 
-from flexfloor_jax.config.cli import config_loaded, define_config, parse_flags
+from flexfloor_jax.config.cli import config_loaded, define_config
 from flexfloor_jax.runtime.backend import emulate_cpu_devices
 
 _CONFIG = define_config("configs/grpo.py", "GRPO config file.")
@@ -20,5 +20,3 @@ def config_value():
   return config
 
 
-def run(main):
-  app.run(main, flags_parser=parse_flags)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from flexfloor_jax.config import settings
+from flexfloor_jax.config import cli, settings
 from flexfloor_jax.config.cli import fail
 from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.model import checkpoint as ckpt
@@ -131,5 +131,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from flexfloor_jax.rl import cli as _cli
-  _cli.run(main)
+  cli.run(main)

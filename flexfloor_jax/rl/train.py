@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from flexfloor_jax import engine as engine_lib
-from flexfloor_jax.config import settings
+from flexfloor_jax.config import cli, settings
 from flexfloor_jax.config.cli import fail
 from flexfloor_jax.io import output_dir
 from flexfloor_jax.io.atomic import atomic_write
@@ -397,5 +397,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from flexfloor_jax.rl import cli as _cli
-  _cli.run(main)
+  cli.run(main)

@@ -4,9 +4,10 @@ On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh
 field or 8), set before the first JAX operation; every input is checked before that.
 """
 
-from absl import app, flags
+from absl import flags
 
-from flexfloor_jax.config.cli import config_loaded, define_config, fail, parse_flags
+from flexfloor_jax.config import cli
+from flexfloor_jax.config.cli import config_loaded, define_config, fail
 from flexfloor_jax.config.settings import ConfigError
 from flexfloor_jax.model.checkpoint import CheckpointError
 from flexfloor_jax.rollout import runner
@@ -62,4 +63,4 @@ def release_line(s: dict) -> str:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main)
