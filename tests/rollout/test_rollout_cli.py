@@ -251,8 +251,10 @@ def test_default_rollout_writes_outputs(schedule, tmp_path):
 def _interrupt_during_generation(out, sig) -> tuple[int, str]:
   """Starts the CLI on `out`, sends `sig` once its progress bar shows generation under way, and
   returns (exit status, stderr)."""
+  # 4x the default's responses on the same compiled shapes: generation lasts seconds after the
+  # progress bar first shows, so the signal lands mid-generation.
   cmd = [sys.executable, "-m", "flexfloor_jax.rollout", "--config=configs/mixtral.py",
-         f"--config.rollout.output_dir={out}"]
+         f"--config.rollout.output_dir={out}", "--config.rollout.samples_per_prompt=32"]
   proc = subprocess.Popen(cmd, cwd=ROOT, env=checkout.child_env(), stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True,
                           # a shell's background job ignores SIGINT: give the child the default
