@@ -39,7 +39,7 @@ def main(argv):
   assert st.bench is not None  # load(config, "bench") reads the bench section
   out = st.bench.output_dir
   try:  # checked and locked before jax starts: a second bench on this directory fails at once
-    lock = output_dir.acquire(out, "output_dir")
+    lock = output_dir.acquire(out, "output_dir", report.BENCH_OUTPUTS)
   except output_dir.OutputDirError as e:
     fail(str(e))
   with lock:

@@ -203,11 +203,14 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
     plt.close(fig)
 
 
+BENCH_OUTPUTS = ("bench.json", "runs", "bench.png")
+
+
 def write_outputs(doc, timelines, records, out_dir: str) -> str:
   """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
   (io/output_dir.py); returns the set's directory. Raises output_dir.OutputWriteError naming the
   file."""
-  s = output_dir.OutputSet(out_dir, "output_dir", owns=("bench.json", "runs", "bench.png"))
+  s = output_dir.OutputSet(out_dir, "output_dir", owns=BENCH_OUTPUTS)
   s.write("bench.json", json.dumps(doc, indent=2))
   for (name, k), rec in records.items():
     s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))

@@ -17,6 +17,9 @@ non-empty one; a symbolic link can be. Every fixed name resolves through `latest
 moment all of them show one run's set (a name the current set lacks is missing, never another
 run's file). A reader who opens several files while a run publishes may straddle the switch;
 resolving `latest` once (os.path.realpath) reads one set, and summary.json carries its run_id.
+
+Only this project's own links and sets are ever replaced or removed (check_owned, called before
+the run starts and again at the publish): anything else under those names stops the run.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -64,11 +68,13 @@ def os_error_text(e: OSError) -> str:
 # ----------------------------------------------------------------------------- check
 
 
-def check_dir(path: str, field: str = "output_dir") -> str:
+def check_dir(path: str, field: str = "output_dir", names: tuple[str, ...] = (),
+              adopt: tuple[str, ...] = ()) -> str:
   """Create `path` if missing and make sure this process can write files and symbolic links in
   it (the publish needs both): an existing file, a path under a file, a read-only filesystem or
   a directory without write permission fail here, naming `field` and the path, instead of after
-  the run. Returns the path."""
+  the run. `names`: what the run will publish there, each checked to be missing or this
+  project's own link (check_owned), with `latest`, .published and .staging. Returns the path."""
   if not isinstance(path, str) or not path:
     raise OutputDirError(f"{field} must be a non-empty path, got {path!r}")
   if os.path.exists(path) and not os.path.isdir(path):
@@ -92,7 +98,60 @@ def check_dir(path: str, field: str = "output_dir") -> str:
     for p in made:
       with contextlib.suppress(OSError):
         os.unlink(p)
+  if names:
+    check_owned(path, names, field, adopt)
   return path
+
+
+_RUN_ID = re.compile(r"\d{8}-\d{6}-\d+-[0-9a-f]{6}$")  # new_run_id()
+_RETIRED = re.compile(r"old-.+-[0-9a-f]{8}$")  # an older version's in-place output, retired
+
+
+def _describe(p: str) -> str:
+  if os.path.islink(p):
+    return f"a symbolic link to {_link_target(p)}"
+  if os.path.isdir(p):
+    return "a directory"
+  return "a regular file" if os.path.isfile(p) else "not a regular file"
+
+
+def _not_ours(p: str, field: str, what: str = "link") -> OutputDirError:
+  return OutputDirError(f"{field}: {p} is not a {what} this project made ({_describe(p)}); move "
+                        "it away or choose another directory")
+
+
+def check_owned(out: str, names, field: str = "output_dir", adopt=()) -> None:
+  """Everything a publish of `names` in `out` replaces or removes is this project's own, or
+  OutputDirError naming the first path that is not (a user's file, directory or symbolic link,
+  or an older version's in-place output: the two cannot be told apart), changing nothing:
+    <name>      missing, or a symbolic link to latest/<name>
+    latest      missing, or a symbolic link to .published/<one name>
+    .published  missing, or a directory (not a link) holding only published sets
+    .staging    missing, or a directory (not a link)
+  `adopt`: names whose regular file is the run's own input, carried into the new set (the
+  rollout's history.json when it is the length history): allowed, replaced at the publish."""
+  for name in sorted(set(names)):
+    p = os.path.join(out, name)
+    if not os.path.lexists(p) or _link_target(p) == os.path.join(LATEST, name):
+      continue
+    if name in adopt and os.path.isfile(p) and not os.path.islink(p):
+      continue
+    raise _not_ours(p, field)
+  p = os.path.join(out, LATEST)
+  t = _link_target(p)
+  if os.path.lexists(p) and (t is None or os.path.dirname(t) != PUBLISHED
+                             or os.path.basename(t) in ("", ".", "..")):
+    raise _not_ours(p, field)
+  for d in (PUBLISHED, STAGING):
+    p = os.path.join(out, d)
+    if not os.path.lexists(p):
+      continue
+    if os.path.islink(p) or not os.path.isdir(p):
+      raise _not_ours(p, field, "directory")
+    if d == PUBLISHED:  # its entries are removed when they are not the last two sets
+      for entry in sorted(os.listdir(p)):
+        if not (_RUN_ID.match(entry) or _RETIRED.match(entry)):
+          raise _not_ours(os.path.join(p, entry), field, "published set")
 
 
 # ----------------------------------------------------------------------------- lock
@@ -121,8 +180,8 @@ def _read_holder(fd: int) -> tuple[int | None, str]:
 
 
 class DirLock:
-  """The lock of an output directory; release() (or leaving a `with` block) frees it and
-  removes the lock file."""
+  """A held lock file (lock_file); release() (or leaving a `with` block) frees it and removes
+  the lock file."""
 
   def __init__(self, path: str, lock_path: str, fd: int):
     self.path, self.lock_path, self._fd = path, lock_path, fd
@@ -146,15 +205,31 @@ class DirLock:
     self.release()
 
 
-def acquire(path: str, field: str = "output_dir") -> DirLock:
-  """Lock output directory `path` for this run (checked first, see check_dir). Another live run
-  holding it: OutputDirError naming `field`, the path and the holder's pid. A lock left by a run
-  that died (kill -9, a crash: its flock is gone, or its pid on this host is not running) is
-  taken over with a warning naming that pid."""
-  check_dir(path, field)
+def acquire(path: str, field: str = "output_dir", names: tuple[str, ...] = (),
+            adopt: tuple[str, ...] = ()) -> DirLock:
+  """Lock output directory `path` for this run (checked first, see check_dir, with `names` and
+  `adopt`). Another live run holding it: OutputDirError naming `field`, the path and the holder's
+  pid. A lock left by a run that died (kill -9, a crash: its flock is gone, or its pid on this
+  host is not running) is taken over with a warning naming that pid."""
+  check_dir(path, field, names, adopt)
   lock_path = os.path.join(path, LOCK_NAME)
+
+  def busy(pid, where):
+    return (f"{field}: {path} is in use by another run (pid {pid}{where}; lock file "
+            f"{lock_path}): wait for it to finish or choose another {field}")
+  return lock_file(path, lock_path, field, busy)
+
+
+def lock_file(path: str, lock_path: str, field: str, busy_message, wait_s: float = 0.0) -> DirLock:
+  """Lock `path` (an output directory, a history file, ...) through the flock of `lock_path`,
+  which holds "<pid> <host>" of the holder. Held by a live process: wait up to `wait_s` seconds
+  for it, then OutputDirError(busy_message(pid, " on <host>" or "")). A lock left by a process
+  that died (its flock is gone, or its pid on this host is not running) is taken over with a
+  warning naming `field`, `path` and that pid."""
   host = socket.gethostname()
-  for _ in range(100):
+  deadline = time.monotonic() + wait_s
+  changes = 0
+  while True:
     try:
       fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
@@ -162,22 +237,29 @@ def acquire(path: str, field: str = "output_dir") -> DirLock:
           f"{field}: cannot create the lock file {lock_path}: {os_error_text(e)}") from None
     try:
       busy = not _flock(fd)
+      if not busy:
+        try:  # the holder removed the file after we opened it: lock the new one instead
+          same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
+        except FileNotFoundError:
+          same = False
+        if not same:
+          os.close(fd)
+          changes += 1
+          if changes > 100:
+            raise OutputDirError(f"{field}: could not lock {path} ({lock_path} keeps changing)")
+          continue
       pid, pid_host = _read_holder(fd)
       # A filesystem without working flock: the pid decides (this host's processes only).
       if not busy and pid is not None and pid_host == host and pid != os.getpid():
         busy = _pid_alive(pid)
       if busy:
-        raise OutputDirError(
-            f"{field}: {path} is in use by another run (pid {pid if pid is not None else '?'}"
-            f"{' on ' + pid_host if pid_host and pid_host != host else ''}; lock file "
-            f"{lock_path}): wait for it to finish or choose another {field}")
-      try:  # the holder removed the file after we opened it: lock the new one instead
-        same = os.path.samestat(os.fstat(fd), os.stat(lock_path))
-      except FileNotFoundError:
-        same = False
-      if not same:
-        os.close(fd)
-        continue
+        if time.monotonic() < deadline:
+          os.close(fd)
+          time.sleep(0.01)
+          continue
+        raise OutputDirError(busy_message(
+            pid if pid is not None else "?",
+            f" on {pid_host}" if pid_host and pid_host != host else ""))
       if pid is not None:
         log.warning("%s: taking over the lock of %s left by pid %d%s, which is no longer "
                     "running (killed or crashed?)", field, path, pid,
@@ -189,7 +271,6 @@ def acquire(path: str, field: str = "output_dir") -> DirLock:
       with contextlib.suppress(OSError):
         os.close(fd)
       raise
-  raise OutputDirError(f"{field}: could not lock {path} ({lock_path} keeps changing)")
 
 
 def _flock(fd: int) -> bool:
@@ -226,13 +307,16 @@ class OutputSet:
 
   Files are created with open() (mode 0666 less the umask). Any OSError while writing becomes
   OutputWriteError naming the file and the staging directory, which keeps what was written; no
-  partial set is ever published. `owns`: every name this writer may publish; one this set lacks
-  that an older version wrote in place (a plain file) is retired with the previous set, so it
-  does not stay beside the new one."""
+  partial set is ever published. `owns`: every name this writer may publish (the fixed link of
+  one this set lacks is removed). The publish replaces or removes only this project's own links
+  and sets (check_owned, which the run also calls before it starts): anything else there, a
+  user's file or an older version's in-place output, stops it with OutputWriteError naming that
+  path, nothing changed. `adopt`: names whose regular file the run read as its input and carried
+  into this set (the rollout's history.json): replaced by the link like the others."""
 
   def __init__(self, out: str, field: str = "output_dir", run_id: str | None = None,
-               owns: tuple[str, ...] = ()):
-    self.out, self.field, self.owns = out, field, tuple(owns)
+               owns: tuple[str, ...] = (), adopt: tuple[str, ...] = ()):
+    self.out, self.field, self.owns, self.adopt = out, field, tuple(owns), tuple(adopt)
     self.run_id = run_id or new_run_id()
     self.staging = os.path.join(out, STAGING, self.run_id)
     self.written: list[str] = []
@@ -272,18 +356,19 @@ class OutputSet:
     out = self.out
     final = os.path.join(out, PUBLISHED, self.run_id)
     latest = os.path.join(out, LATEST)
+    names = sorted({n.split("/")[0].split(os.sep)[0] for n in self.written})
+    try:
+      check_owned(out, (*names, *self.owns), self.field, self.adopt)
+    except OutputDirError as e:
+      raise OutputWriteError(f"{e}; nothing was published (the files are kept in "
+                             f"{self.staging})", self.staging, tuple(self.written)) from None
     try:
       os.makedirs(os.path.join(out, PUBLISHED), exist_ok=True)
       os.rename(self.staging, final)
       previous = _link_target(latest)
-      names = sorted({n.split("/")[0].split(os.sep)[0] for n in self.written})
       # the fixed links first: until the pointer moves they show the previous set
       for name in names:
         _point(os.path.join(out, name), os.path.join(LATEST, name))
-      for name in sorted(set(self.owns) - set(names)):
-        p = os.path.join(out, name)
-        if os.path.lexists(p) and not os.path.islink(p):
-          _retire(p)
       _point(latest, os.path.join(PUBLISHED, self.run_id))  # the publish
     except OSError as e:
       raise OutputWriteError(f"{self.field}: publishing {final} in {out} failed: "
@@ -303,14 +388,14 @@ class OutputSet:
         p = os.path.join(out, entry)
         if entry not in names and _link_target(p) == os.path.join(LATEST, entry):
           os.unlink(p)
-        elif entry.startswith(_TMP_LINK) and os.path.islink(p):  # left by a killed publish
+        elif _TMP_LINK_NAME.match(entry) and os.path.islink(p):  # left by a killed publish
           os.unlink(p)
       keep = {self.run_id, os.path.basename(previous or "")}
       root = os.path.join(out, PUBLISHED)
       for entry in os.listdir(root):
         p = os.path.join(root, entry)
-        if entry in keep:
-          continue
+        if entry in keep or not (_RUN_ID.match(entry) or _RETIRED.match(entry)):
+          continue  # not ours (check_owned refuses it before the run): never removed
         if os.path.isdir(p) and not os.path.islink(p):
           shutil.rmtree(p)
         else:  # a retired in-place file of an older version
@@ -329,17 +414,15 @@ def _link_target(path: str) -> str | None:
 
 
 _TMP_LINK = ".link-"
+_TMP_LINK_NAME = re.compile(re.escape(_TMP_LINK) + r"[0-9a-f]{8}$")
 
 
 def _point(path: str, target: str) -> None:
-  """Make `path` a symbolic link to `target` (relative), replacing what is there in one rename.
-  A directory there (an older version's layout wrote files in place) is moved into .published/
-  first, where the next tidy removes it: a kill in between leaves the name missing, not mixed."""
+  """Make `path` a symbolic link to `target` (relative), replacing what is there (this project's
+  own link: check_owned) in one rename."""
   if _link_target(path) == target:
     return
   d = os.path.dirname(path)
-  if os.path.isdir(path) and not os.path.islink(path):
-    _retire(path)
   tmp = os.path.join(d, f"{_TMP_LINK}{uuid.uuid4().hex[:8]}")
   os.symlink(target, tmp)
   try:
@@ -348,12 +431,6 @@ def _point(path: str, target: str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
-
-
-def _retire(path: str) -> None:
-  """Move an older version's in-place output into .published/, where the next tidy removes it."""
-  d, base = os.path.split(path)
-  os.rename(path, os.path.join(d, PUBLISHED, f"old-{base}-{uuid.uuid4().hex[:8]}"))
 
 
 def _fsync_tree(root: str) -> None:

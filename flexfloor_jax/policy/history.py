@@ -10,10 +10,12 @@ import os
 import numpy as np
 
 from flexfloor_jax.io.atomic import atomic_write
+from flexfloor_jax.io.output_dir import OutputDirError, lock_file
 from flexfloor_jax.policy.controller import Seq
 
 HISTORY_FORMAT = 'flexfloor_jax.length_history'
 HISTORY_VERSION = 1
+LOCK_WAIT_S = 120.0  # another run saving the same file: wait this long for its lock
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,14 @@ class LengthHistory:
     # Identity of the model whose responses these are (model.config.model_identity): saved with
     # the file, so that one model's lengths never steer another model's schedule unnoticed.
     self.model = model
+    # What the file held when loaded (or last saved): what differs is this run's own, and wins
+    # over the file's when saved; the rest of the file is kept (save).
+    self._base: dict[tuple[str, int], list[int]] = {}
+    self._base_steps: dict[int, float] = {}
+
+  def _mark_saved(self) -> None:
+    self._base = {(p, e): list(v) for p, d in self.data.items() for e, v in d.items()}
+    self._base_steps = dict(self.step_seconds)
 
   def add_step_seconds(self, table: dict[int, float]) -> None:
     """A run's measured step times: each size measured now replaces the older figure."""
@@ -62,14 +72,84 @@ class LengthHistory:
   def all_lengths(self) -> np.ndarray:
     return np.asarray([n for d in self.data.values() for v in d.values() for n in v], float)
 
-  def save(self, path: str) -> None:
-    """Atomic: a temp file in the same directory, fsync, os.replace; a crash leaves the old file."""
+  def save(self, path: str, *, current: str | None = None, merge: bool = True) -> None:
+    """Merged with the file as it is now, so that runs sharing one history file lose nothing:
+    under a lock on the file (`<path>.lock`, io/output_dir.lock_file: another run saving waits;
+    a lock left by a killed run is taken over with a warning), the file is read again and this
+    run's entries (prompt, epoch) and step seconds, those added or changed since it was loaded,
+    replace the file's; the file's other entries are kept. Where another run wrote the same
+    prompt and epoch since, this run's values win with a warning naming the file and the count.
+    A file recorded for another model is replaced, with a warning. Atomic: a temp file in the
+    same directory, fsync, os.replace; a crash leaves the old file.
+    `current`: the file to merge with when `path` is a new copy of it (the rollout's history.json
+    staged beside its outputs, under the output directory's lock): no lock taken then. Raises
+    OSError, or HistoryError when the file cannot be locked or became unreadable.
+    `merge=False`: the file becomes exactly this history (a trainer resuming from a checkpoint
+    drops the epochs the file recorded after it), still under the lock."""
+    if current is not None:
+      self._save_merged(path, current, merge)
+      return
+    try:
+      lock = lock_file(path, path + '.lock', 'length history', lambda pid, where: (
+          f'length history {path} is being saved by pid {pid}{where} for more than '
+          f'{LOCK_WAIT_S:.0f} s (lock file {path}.lock)'), wait_s=LOCK_WAIT_S)
+    except OutputDirError as e:
+      raise HistoryError(str(e)) from None
+    with lock:
+      self._save_merged(path, path, merge)
+
+  def _save_merged(self, path: str, current: str, merge: bool = True) -> None:
+    data, steps, model = self._read_current(current) if merge else ({}, {}, None)
+    conflicts = 0
+    for p, d in self.data.items():
+      for e, v in d.items():
+        base = self._base.get((p, e))
+        theirs = data.get(p, {}).get(e)
+        if v == base and theirs is not None:
+          continue  # unchanged by this run: the file's (maybe newer) value stands
+        if theirs is not None and theirs != v and theirs != base:
+          conflicts += 1
+        data.setdefault(p, {})[e] = list(v)
+    if conflicts:
+      log.warning('length history %s: another run saved %d of the entries (prompt, epoch) this '
+                  'run wrote, with other lengths, since this run loaded it: this run\'s replace '
+                  'them', current, conflicts)
+    for n, t in self.step_seconds.items():
+      if self._base_steps.get(n) != t or n not in steps:
+        steps[n] = t
     doc = {'format': HISTORY_FORMAT, 'version': HISTORY_VERSION,
-           'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in self.data.items()},
-           'step_seconds': {str(n): t for n, t in sorted(self.step_seconds.items())}}
-    if self.model is not None:
-      doc['model'] = self.model
+           'prompts': {p: {str(e): v for e, v in sorted(d.items())} for p, d in data.items()},
+           'step_seconds': {str(n): t for n, t in sorted(steps.items())}}
+    if self.model is not None or model is not None:
+      doc['model'] = self.model if self.model is not None else model
     atomic_write(path, json.dumps(doc), durable=True)
+    self._mark_saved()
+
+  def _read_current(self, path: str):
+    """The history file as it is now, to merge with: (prompts, step seconds, model); empty when
+    missing or recorded for another model (a warning: it is replaced)."""
+    if not os.path.exists(path):
+      return {}, {}, None
+    try:
+      with open(path) as f:
+        doc = json.load(f)
+      if not isinstance(doc, dict) or doc.get('format') != HISTORY_FORMAT or \
+         doc.get('version') != HISTORY_VERSION:
+        raise ValueError('not a flexfloor_jax length history of version '
+                         f'{HISTORY_VERSION}')
+      recorded = doc.get('model')
+      if self.model is not None and recorded is not None and recorded != self.model:
+        log.warning('length history %s was recorded for model %s, not this model (%s): replacing '
+                    'it with this run\'s history (%d prompt(s) of the other model dropped)', path,
+                    recorded, self.model, len(doc.get('prompts') or {}))
+        return {}, {}, None
+      steps = {int(n): float(t) for n, t in (doc.get('step_seconds') or {}).items()}
+      table = LengthHistory.from_table(doc.get('prompts', {}), path).data
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+      raise HistoryError(f'length history {path} became unreadable since this run loaded it '
+                         f'({e}); not replaced: fix or remove it, this run\'s lengths were not '
+                         'saved') from None
+    return table, steps, recorded
 
   @classmethod
   def from_table(cls, table, source: str, *, max_new_tokens: int | None = None,
@@ -141,5 +221,7 @@ class LengthHistory:
                          f'seconds > 0, got {steps}')
     if 'prompts' not in doc:
       raise HistoryError(f'length history {path} has no "prompts" table')
-    return cls.from_table(doc['prompts'], path, max_new_tokens=max_new_tokens, step_seconds=steps,
-                          model=model if model is not None else recorded)
+    h = cls.from_table(doc['prompts'], path, max_new_tokens=max_new_tokens, step_seconds=steps,
+                       model=model if model is not None else recorded)
+    h._mark_saved()
+    return h

@@ -252,7 +252,7 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
   resumed = ckpts.resume_state(config, abs_of(params), abs_of(opt_state), model_id, max_new)
   if resumed is not None:
     start, params, opt_state, history = resumed  # the checkpoint's history wins
-    history.save(history_path)
+    history.save(history_path, merge=False)
     kept = [r for r in _read_metrics(metrics_path) if r["step"] <= start]
     atomic_write(metrics_path, "".join(json.dumps(r) + "\n" for r in kept))
   else:

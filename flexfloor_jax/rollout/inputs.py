@@ -107,10 +107,26 @@ def load_history(config, model_cfg) -> LengthHistory:
 # ----------------------------------------------------------------------------- output directory
 
 
+ROLLOUT_OUTPUTS = ("responses.jsonl", "summary.json", "timeline.png", "history.json")
+
+
+def history_in_set(config) -> bool:
+  """The length history is rollout.output_dir's history.json (published with the set)."""
+  return os.path.abspath(history_file(config)) == os.path.abspath(
+      os.path.join(config.rollout.output_dir, "history.json"))
+
+
+def _owned(config) -> dict:
+  # history.json as a regular file is the run's own input when it is the length history: read,
+  # and carried into the new set; anything else of those names must be this project's link
+  return dict(names=ROLLOUT_OUTPUTS, adopt=("history.json",) if history_in_set(config) else ())
+
+
 def check_output_dir(config) -> None:
-  """rollout.output_dir usable (a directory, creatable, writable): before jax starts."""
+  """rollout.output_dir usable (a directory, creatable, writable, and every name the publish
+  replaces this project's own: io/output_dir.check_owned): before jax starts."""
   try:
-    output_dir.check_dir(config.rollout.output_dir, "rollout.output_dir")
+    output_dir.check_dir(config.rollout.output_dir, "rollout.output_dir", **_owned(config))
   except output_dir.OutputDirError as e:
     raise RolloutError(str(e)) from None
 
@@ -119,7 +135,7 @@ def lock_output_dir(config) -> output_dir.DirLock:
   """rollout.output_dir locked for this run (io/output_dir.py): RolloutError naming the holder
   when another run has it."""
   try:
-    return output_dir.acquire(config.rollout.output_dir, "rollout.output_dir")
+    return output_dir.acquire(config.rollout.output_dir, "rollout.output_dir", **_owned(config))
   except output_dir.OutputDirError as e:
     raise RolloutError(str(e)) from None
 

@@ -11,8 +11,8 @@ import os
 from flexfloor_jax.io import output_dir
 from flexfloor_jax.policy import accounting
 from flexfloor_jax.policy.accounting import jsonable
-from flexfloor_jax.policy.history import LengthHistory
-from flexfloor_jax.rollout.inputs import RolloutError
+from flexfloor_jax.policy.history import HistoryError, LengthHistory
+from flexfloor_jax.rollout.inputs import ROLLOUT_OUTPUTS, RolloutError
 
 
 class OutputError(RolloutError):
@@ -37,33 +37,36 @@ def check_finite_logprobs(responses: list[dict], epoch: int) -> None:
                        "was written")
 
 
-ROLLOUT_OUTPUTS = ("responses.jsonl", "summary.json", "timeline.png", "history.json")
-
-
 def publish_outputs(out: str, responses: list[dict], summary: dict, timeline, title: str,
                     history: LengthHistory, history_path: str) -> str:
   """responses.jsonl (first: it survives a later failure), summary.json (with the set's run_id),
   timeline.png and, when it lives in `out`, history.json, published as one set; returns the
   set's directory. Raises output_dir.OutputWriteError naming the file. A history file elsewhere
   (scheduler.history_path) is replaced on its own after the set is published."""
-  s = output_dir.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS)
+  in_set = os.path.abspath(history_path) == os.path.abspath(os.path.join(out, "history.json"))
+  s = output_dir.OutputSet(out, "rollout.output_dir", owns=ROLLOUT_OUTPUTS,
+                           adopt=("history.json",) if in_set else ())
   s.write("responses.jsonl",
           "".join(json.dumps(jsonable(x), allow_nan=False) + "\n" for x in responses))
   s.write("summary.json", json.dumps(dict(jsonable(summary, nonfinite_to_none=True),
                                           run_id=s.run_id), indent=2, allow_nan=False))
   with s.writing("timeline.png") as path:
     accounting.plot_timeline(timeline, path, title=title)
-  in_set = os.path.abspath(history_path) == os.path.abspath(os.path.join(out, "history.json"))
-  if in_set:
+  if in_set:  # merged with the published one (under the output directory's lock)
     with s.writing("history.json") as path:
-      history.save(path)
+      try:
+        history.save(path, current=history_path)
+      except HistoryError as e:
+        raise output_dir.OutputWriteError(
+            f"scheduler.history_path: {e}; nothing was published (the files written so far are "
+            f"kept in {s.staging})", s.staging, tuple(s.written)) from None
   final = s.publish()
-  if not in_set:
+  if not in_set:  # merged with the file as it is now, under the file's own lock
     try:
       history.save(history_path)
-    except OSError as e:
+    except (OSError, HistoryError) as e:
+      why = output_dir.os_error_text(e) if isinstance(e, OSError) else str(e)
       raise output_dir.OutputWriteError(
-          f"scheduler.history_path: writing {history_path} failed: "
-          f"{output_dir.os_error_text(e)} (the outputs were published in {final})", final,
-          tuple(s.written)) from None
+          f"scheduler.history_path: writing {history_path} failed: {why} (the outputs were "
+          f"published in {final})", final, tuple(s.written)) from None
   return final

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -123,3 +124,92 @@ def test_history_records_model_and_restarts_for_another(tmp_path, caplog):
   assert old.data == {"p": {0: [3]}} and old.model == "cfg-b"
 
 
+
+
+_SAVER = textwrap.dedent('''
+    import sys
+    from flexfloor_jax.policy.history import LengthHistory
+    path, prompt, first, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    for epoch in range(first, first + n):  # one run per epoch, each loading then saving
+      h = LengthHistory.load(path, model="cfg-a")
+      h.add(prompt, epoch, [epoch + 1])
+      h.add_step_seconds({epoch + 1: 0.5})
+      h.save(path)
+''')
+
+
+def test_concurrent_saves_to_one_history_lose_nothing(tmp_path):
+  """Two processes (runs of two output directories sharing scheduler.history_path) each save 40
+  epochs to one history file at the same time: every epoch of both, and every step time, is in
+  the file afterwards (before: each save replaced the file with its own copy)."""
+  path = str(tmp_path / "shared.json")
+  n = 40
+  procs = [subprocess.Popen([sys.executable, "-c", _SAVER, path, p, str(first), str(n)])
+           for p, first in (("a", 0), ("b", 1000))]
+  for proc in procs:
+    assert proc.wait(timeout=300) == 0
+  h = LengthHistory.load(path, model="cfg-a")
+  missing = {p: sorted(set(range(first, first + n)) - set(h.epochs(p)))
+             for p, first in (("a", 0), ("b", 1000))}
+  print("epochs per prompt:", {p: len(h.epochs(p)) for p in ("a", "b")}, "missing:", missing)
+  assert missing == {"a": [], "b": []}
+  assert set(h.step_seconds) == {e + 1 for e in range(n)} | {e + 1 for e in range(1000, 1000 + n)}
+  assert sorted(os.listdir(tmp_path)) == ["shared.json"]  # no lock file or temp file left
+
+
+def test_same_prompt_and_epoch_the_later_save_wins_with_a_warning(tmp_path, caplog):
+  """Two runs load the same history and both record prompt 'a' epoch 3: the later save wins,
+  warning with the file and the count; the earlier run's other entries are kept; re-recording
+  an epoch this run loaded (a rerun) replaces it without a warning."""
+  path = str(tmp_path / "h.json")
+  LengthHistory({"a": {0: [5]}}, model="cfg-a").save(path)
+  first = LengthHistory.load(path, model="cfg-a")
+  second = LengthHistory.load(path, model="cfg-a")
+  first.add("a", 3, [7, 8])
+  first.add("b", 3, [2])
+  first.add_step_seconds({4: 0.25, 8: 0.5})
+  second.add("a", 3, [9, 9])
+  second.add_step_seconds({4: 0.75})
+  with caplog.at_level(logging.WARNING):
+    first.save(path)
+    assert not caplog.records
+    second.save(path)
+  warned = [r.getMessage() for r in caplog.records]
+  print(warned)
+  assert len(warned) == 1 and path in warned[0] and " 1 of the entries" in warned[0], warned
+  h = LengthHistory.load(path, model="cfg-a")
+  assert h.data == {"a": {0: [5], 3: [9, 9]}, "b": {3: [2]}}
+  assert h.step_seconds == {4: 0.75, 8: 0.5}
+  caplog.clear()
+  rerun = LengthHistory.load(path, model="cfg-a")
+  rerun.add("a", 3, [1])
+  with caplog.at_level(logging.WARNING):
+    rerun.save(path)
+  assert not caplog.records and LengthHistory.load(path).data["a"][3] == [1]
+
+
+def test_saving_over_another_models_history_warns_that_it_replaces_it(tmp_path, caplog):
+  """Another model's file is not used (load warns) and is replaced when this run saves, with a
+  warning saying so at the save too (it may have been written after this run loaded)."""
+  path = str(tmp_path / "h.json")
+  LengthHistory({"p": {0: [3]}}, model="cfg-a").save(path)
+  h = LengthHistory.load(path, model="cfg-b")
+  h.add("q", 1, [4])
+  with caplog.at_level(logging.WARNING):
+    h.save(path)
+  msg = " ".join(r.getMessage() for r in caplog.records)
+  assert path in msg and "cfg-a" in msg and "replacing" in msg, msg
+  assert LengthHistory.load(path, model="cfg-b").data == {"q": {1: [4]}}
+
+
+def test_a_killed_savers_lock_is_taken_over(tmp_path, caplog):
+  """A history lock left by a killed process: the next save takes it over, naming the pid."""
+  path = str(tmp_path / "h.json")
+  holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  holder.kill()
+  holder.wait()
+  (tmp_path / "h.json.lock").write_text(f"{holder.pid} {socket.gethostname()}\n")
+  with caplog.at_level(logging.WARNING):
+    LengthHistory({"p": {0: [3]}}).save(path)
+  assert f"pid {holder.pid}" in caplog.text and path in caplog.text, caplog.text
+  assert sorted(os.listdir(tmp_path)) == ["h.json"]

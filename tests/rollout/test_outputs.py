@@ -196,18 +196,18 @@ FS_CALLS = ("rename", "replace", "symlink", "unlink", "rmdir")
 
 
 def _tags(out, names) -> dict:
-  """Which run each file a reader of <out>/<name> sees comes from."""
-  return {n: next(t for t in ("RUN-A", "RUN-B", "RUN-C") if t in text)
+  """Which run each file a reader of <out>/<name> sees comes from (the newest tag in it: a
+  history.json carries the earlier runs' entries too)."""
+  return {n: next(t for t in ("RUN-C", "RUN-B", "RUN-A") if t in text)
           for n, text in _visible(out, names).items()}
 
 
 @pytest.mark.parametrize("via", ["set", "runner"])
-@pytest.mark.parametrize("old_layout", [False, True])
-def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, old_layout, via):
+def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, via):
   """A publish killed at each of its filesystem steps in turn (kill -9 between two renames
   could leave one run's responses.jsonl beside another run's summary.json): a reader
-  sees the previous set or the new one, whole (a name may be missing while an older version's
-  in-place files are replaced, never another run's). `runner`: the rollout's own publish."""
+  sees the previous set or the new one, whole. `runner`: the rollout's own publish. (An older
+  version's in-place files are refused, not replaced: tests/io/test_output_dir.py.)"""
   if via == "set":  # the next set lacks a name of the previous one, and adds one
     sets = {"RUN-A": ["responses.jsonl", "summary.json", "history.json"],
             "RUN-B": ["responses.jsonl", "summary.json", "timeline.png"],
@@ -234,11 +234,7 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
   while True:
     out = tmp_path / f"k{k}"
     out.mkdir()
-    if old_layout:  # an older version wrote the files in place
-      for n in sets["RUN-A"]:
-        (out / n).write_text("RUN-A")
-    else:
-      publish(out, "RUN-A")
+    publish(out, "RUN-A")
     calls = [0]
 
     def killer(real, calls=calls, k=k):  # this kill point's counter
@@ -258,12 +254,9 @@ def test_publish_shows_one_run_whatever_the_kill_point(tmp_path, monkeypatch, ol
         done = False
     seen = _tags(out, names)
     runs = set(seen.values())
-    assert len(runs) == 1 or (old_layout and not seen), (k, seen)
-    run = runs.pop() if runs else "RUN-A"
-    if old_layout and run == "RUN-A":
-      assert set(seen) <= set(sets[run]), (k, seen)
-    else:
-      assert seen == {n: run for n in sets[run]}, (k, seen)
+    assert len(runs) == 1, (k, seen)
+    run = runs.pop()
+    assert seen == {n: run for n in sets[run]}, (k, seen)
     # the next run publishes normally over whatever the kill left
     publish(out, "RUN-C")
     assert _tags(out, names) == {n: "RUN-C" for n in sets["RUN-C"]}
