@@ -50,3 +50,13 @@ def step_caches():
   from the persistent cache again. Tests of compiling itself take fresh caches."""
   from flexfloor_jax import engine
   return engine.StepCachePool()
+
+
+@pytest.fixture
+def no_compile(monkeypatch):
+  """Reaching the engine (the first compile) fails the test: input checks must come before it."""
+  from flexfloor_jax import engine
+
+  def boom(*a, **k):
+    raise AssertionError("reached the engine: a check came too late")
+  monkeypatch.setattr(engine.Engine, "__init__", boom)

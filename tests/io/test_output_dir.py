@@ -20,20 +20,6 @@ from flexfloor_jax.rollout import runner
 from flexfloor_jax.rollout.inputs import prepare_rollout
 
 
-class _Compiled(Exception):
-  pass
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-  """Reaching the engine (the first compile) fails the test: checks must come before it."""
-  from flexfloor_jax import engine
-
-  def boom(*a, **k):
-    raise _Compiled("reached the engine: a check came too late")
-  monkeypatch.setattr(engine.Engine, "__init__", boom)
-
-
 @pytest.fixture
 def fake_plot(monkeypatch):
   from flexfloor_jax.policy import accounting

@@ -57,19 +57,6 @@ def model():
   return cfg, tfm.init_params(cfg, jax.random.key(3), scale=0.1)
 
 
-class _Compiled(Exception):
-  pass
-
-
-@pytest.fixture
-def no_compile(monkeypatch):
-  """Reaching the engine (the first compile) fails the test: checks must come before it."""
-  from flexfloor_jax import engine
-
-  def boom(*a, **k):
-    raise _Compiled("reached the engine: a check came too late")
-  monkeypatch.setattr(engine.Engine, "__init__", boom)
-
 
 def _run(c, model, **kw):
   cfg, params = model
