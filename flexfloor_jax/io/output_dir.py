@@ -179,14 +179,26 @@ def _read_holder(fd: int) -> tuple[int | None, str]:
     return None, ""
 
 
+_HELD: set[DirLock] = set()  # the locks this process holds (release_all)
+
+
+def release_all() -> None:
+  """Releases every lock this process holds: for an exit that cannot unwind the run (a signal
+  while the main thread is blocked in a device program)."""
+  for lock in list(_HELD):
+    lock.release()
+
+
 class DirLock:
   """A held lock file (lock_file); release() (or leaving a `with` block) frees it and removes
   the lock file."""
 
   def __init__(self, path: str, lock_path: str, fd: int):
     self.path, self.lock_path, self._fd = path, lock_path, fd
+    _HELD.add(self)
 
   def release(self) -> None:
+    _HELD.discard(self)
     if self._fd is None:
       return
     with contextlib.suppress(OSError):  # removed while held: whoever opens it next retries

@@ -16,6 +16,7 @@ import base64
 import importlib.util
 import io
 import os
+import signal
 
 import jax
 import numpy as np
@@ -53,11 +54,17 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return False
   if _on_cpu():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # jax.distributed installs a SIGTERM handler of its own (a preemption notice for its sync
+  # points, which this package does not use): the entry point's handler, which ends the run with
+  # its cleanup, is put back.
+  on_term = signal.getsignal(signal.SIGTERM)
   if coordinator_address is None:  # TPU pod / SLURM: JAX detects the cluster
     jax.distributed.initialize()
   else:
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id)
+  if callable(on_term):
+    signal.signal(signal.SIGTERM, on_term)
   _initialized = True
   return True
 
