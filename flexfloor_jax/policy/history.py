@@ -126,30 +126,21 @@ class LengthHistory:
     self._mark_saved()
 
   def _read_current(self, path: str):
-    """The history file as it is now, to merge with: (prompts, step seconds, model); empty when
-    missing or recorded for another model (a warning: it is replaced)."""
-    if not os.path.exists(path):
-      return {}, {}, None
+    """The history file as it is now, to merge with: (prompts, step seconds, model), read and
+    checked by `load`; empty when missing or recorded for another model (a warning: it is
+    replaced)."""
     try:
-      with open(path) as f:
-        doc = json.load(f)
-      if not isinstance(doc, dict) or doc.get('format') != HISTORY_FORMAT or \
-         doc.get('version') != HISTORY_VERSION:
-        raise ValueError('not a flexfloor_jax length history of version '
-                         f'{HISTORY_VERSION}')
-      recorded = doc.get('model')
-      if self.model is not None and recorded is not None and recorded != self.model:
-        log.warning('length history %s was recorded for model %s, not this model (%s): replacing '
-                    'it with this run\'s history (%d prompt(s) of the other model dropped)', path,
-                    recorded, self.model, len(doc.get('prompts') or {}))
-        return {}, {}, None
-      steps = {int(n): float(t) for n, t in (doc.get('step_seconds') or {}).items()}
-      table = LengthHistory.from_table(doc.get('prompts', {}), path).data
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+      now = LengthHistory.load(path)  # no model given: the file's own, whichever it is
+    except HistoryError as e:
       raise HistoryError(f'length history {path} became unreadable since this run loaded it '
                          f'({e}); not replaced: fix or remove it, this run\'s lengths were not '
                          'saved') from None
-    return table, steps, recorded
+    if self.model is not None and now.model is not None and now.model != self.model:
+      log.warning('length history %s was recorded for model %s, not this model (%s): replacing '
+                  'it with this run\'s history (%d prompt(s) of the other model dropped)', path,
+                  now.model, self.model, len(now.data))
+      return {}, {}, None
+    return now.data, dict(now.step_seconds), now.model
 
   @classmethod
   def from_table(cls, table, source: str, *, max_new_tokens: int | None = None,
