@@ -5,24 +5,24 @@ per mesh and their caches), engine (the Engine)."""
 
 from flexfloor_jax.engine.engine import Engine
 from flexfloor_jax.engine.spec import (
-                                       EngineSpec,
-                                       SeqInput,
-                                       SeqOutput,
-                                       abstract_split,
-                                       cache_spec,
-                                       expert_spec,
-                                       merge_params,
-                                       slot_layout,
-                                       split_params,
+  EngineSpec,
+  SeqInput,
+  SeqOutput,
+  abstract_split,
+  cache_spec,
+  expert_spec,
+  merge_params,
+  slot_layout,
+  split_params,
 )
 from flexfloor_jax.engine.state import (
-                                       DECODE_COLS,
-                                       PREFILL_COLS,
-                                       SCALAR_COLS,
-                                       DecodeState,
-                                       Scalars,
-                                       state_bytes_per_worker,
-                                       state_shapes,
+  DECODE_COLS,
+  PREFILL_COLS,
+  SCALAR_COLS,
+  DecodeState,
+  Scalars,
+  state_bytes_per_worker,
+  state_shapes,
 )
 from flexfloor_jax.engine.step_set import StepCache, StepCachePool, StepSet, default_compile_threads
 

@@ -44,7 +44,7 @@ class FloorTerms:
 
   def floor(self, num_experts: int, device_memory_bytes: int, max_workers: int) -> int:
     return floor_workers(num_experts, self.expert, self.nonexpert, self.kv,
-                                 device_memory_bytes, max_workers, workspace_bytes=self.workspace)
+                         device_memory_bytes, max_workers, workspace_bytes=self.workspace)
 
 
 def _nbytes(tree) -> int:

@@ -19,7 +19,6 @@ class CheckpointError(ValueError):
   """A checkpoint that cannot be used; the message names the file and the key or field."""
 
 
-
 def read_json(path: str) -> dict:
   try:
     with open(path) as f:

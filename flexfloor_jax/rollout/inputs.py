@@ -97,9 +97,8 @@ def load_history(config, model_cfg) -> LengthHistory:
   for this model (another model's history: a warning and an empty one). The rollout CLI calls it
   before jax starts, `run` when not handed one: the same checks either way."""
   try:
-    return LengthHistory.load(history_file(config),
-                                        max_new_tokens=config.rollout.max_new_tokens,
-                                        model=model_identity(model_cfg))
+    return LengthHistory.load(history_file(config), max_new_tokens=config.rollout.max_new_tokens,
+                              model=model_identity(model_cfg))
   except HistoryError as e:
     raise RolloutError(f"scheduler.history_path: {e}") from None
 
@@ -124,7 +123,7 @@ def _owned(config) -> dict:
 
 def check_output_dir(config) -> None:
   """rollout.output_dir usable (a directory, creatable, writable, and every name the publish
-  replaces this project's own: io/output_dir.check_owned): before jax starts."""
+  replaces this project's own: io/output_dir.check_owned): before anything is compiled."""
   try:
     output_dir.check_dir(config.rollout.output_dir, "rollout.output_dir", **_owned(config))
   except output_dir.OutputDirError as e:

@@ -124,8 +124,6 @@ def test_history_records_model_and_restarts_for_another(tmp_path, caplog):
   assert old.data == {"p": {0: [3]}} and old.model == "cfg-b"
 
 
-
-
 _SAVER = textwrap.dedent('''
     import sys
     from flexfloor_jax.policy.history import LengthHistory

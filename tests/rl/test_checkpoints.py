@@ -147,8 +147,6 @@ def test_prune_keeps_newest(tmp_path):
   assert ckpts.prune_checkpoints(c, 5) == []
 
 
-
-
 def test_nonfinite_reward_or_logprob_stops_training():
   resp = [{"prompt_id": "p0", "sample": 0}, {"prompt_id": "p1", "sample": 1}]
   train._check_finite("the reward", np.array([1.0, 0.5]), resp, 4)  # finite: no error

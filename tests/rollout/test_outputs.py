@@ -57,7 +57,6 @@ def model():
   return cfg, tfm.init_params(cfg, jax.random.key(3), scale=0.1)
 
 
-
 def _run(c, model, **kw):
   cfg, params = model
   return runner.run(c, params=params, model_cfg=cfg, progress=False, **kw)
