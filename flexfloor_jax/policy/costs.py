@@ -24,6 +24,33 @@ class StepCost(Protocol):
   def decode_seconds(self, n_active: int, live_seqs: int) -> float:
     ...
 
+  def worker_step_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray) -> float:
+    ...
+
+  def prefill_seconds(self, prompt_w: np.ndarray) -> float:
+    ...
+
+
+def dispatch_seconds(cost: StepCost, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int) -> float:
+  """Seconds of `steps` decode steps of one dispatch, summed in closed form over the intervals in
+  which no row finishes: rem_wb, ctx_wb [active workers, rows]: tokens each live row still makes
+  and the tokens it has cached (0 where a row is free). Within an interval the live rows are
+  fixed and their cached tokens grow by one a step, so a worker's KV read is linear in the step:
+  the interval is priced at its middle step, exact where one worker gates the whole interval."""
+  rem_wb = np.asarray(rem_wb, float)
+  live0 = rem_wb > 0
+  ends = np.unique(np.minimum(rem_wb[live0], steps))
+  total, a = 0.0, 0.0
+  for b in ends:
+    if b <= a:
+      continue
+    live = rem_wb > a
+    mid = (a + b - 1) / 2.0
+    total += (b - a) * cost.worker_step_seconds(live.sum(1).astype(float),
+                                                ((ctx_wb + mid) * live).sum(1))
+    a = b
+  return total
+
 
 class MeasuredStepCost:
   """Median decode-step seconds by active-group size; sizes between measured ones are linearly
@@ -45,6 +72,13 @@ class MeasuredStepCost:
   def decode_seconds(self, n_active: int, live_seqs: int = 0) -> float:
     del live_seqs  # measured per size over the rollout's own batches
     return float(np.interp(float(n_active), self._n, self._t))
+
+  def worker_step_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray) -> float:
+    del kv_w  # the table is per group size, measured over the rollout's own batches
+    return self.decode_seconds(len(rows_w))
+
+  def prefill_seconds(self, prompt_w: np.ndarray) -> float:
+    return self.decode_seconds(len(prompt_w))  # no prefill measured: a step of the group size
 
 
 STEP_COSTS = ("auto", "measured", "steps")

@@ -112,7 +112,11 @@ class PagePool:
     self.predicted = dict(predicted or {})
     self.margin = float(margin)
     N, S, P = self.num_workers, self.max_seqs, self.max_pages_per_seq
-    self._free = [list(range(self.num_pages)) for _ in range(N)]  # min-heaps (sorted = heap)
+    # free pages of a worker: the pages given back (a min-heap) and every id from _fresh[w] up,
+    # never handed out; those given back are all below _fresh[w], so the lowest free id is the
+    # heap's top or _fresh[w] (a pool of tens of thousands of pages is not listed page by page)
+    self._returned: list[list[int]] = [[] for _ in range(N)]
+    self._fresh = [0] * N
     self._tables = np.full((N, S, P), self.num_pages, np.int32)
     self._owned = np.zeros((N, S), np.int64)  # pages per row
     self._seq = np.full((N, S), -1, np.int64)  # seq id per row, -1 = free row
@@ -129,10 +133,10 @@ class PagePool:
   # ---- reading ------------------------------------------------------------------------------
 
   def free_pages(self, w: int) -> int:
-    return len(self._free[w])
+    return len(self._returned[w]) + self.num_pages - self._fresh[w]
 
   def used_pages(self, w: int) -> int:
-    return self.num_pages - len(self._free[w])
+    return self.num_pages - self.free_pages(w)
 
   def seq_at(self, w: int, slot: int) -> int:
     return int(self._seq[w, slot])
@@ -162,10 +166,11 @@ class PagePool:
     for w in range(self.num_workers):
       owned = [int(p) for s in range(self.max_seqs) for p in self._tables[w, s, :self._owned[w, s]]]
       pad = (self._tables[w] != self.num_pages).sum()
-      every = owned + self._free[w]
+      free = self._returned[w] + list(range(self._fresh[w], self.num_pages))
+      every = owned + free
       if sorted(every) != list(range(self.num_pages)) or pad != len(owned):
         raise PagePoolError(f'worker {w}: pages owned {sorted(owned)}, free '
-                            f'{sorted(self._free[w])} do not partition 0..{self.num_pages - 1}')
+                            f'{sorted(free)} do not partition 0..{self.num_pages - 1}')
 
   # ---- admission ----------------------------------------------------------------------------
 
@@ -198,12 +203,16 @@ class PagePool:
   # ---- allocation ---------------------------------------------------------------------------
 
   def _take(self, w: int, slot: int, n: int) -> None:
-    if n > len(self._free[w]) or self._owned[w, slot] + n > self.max_pages_per_seq:
-      raise PagePoolError(f'worker {w} row {slot}: {n} more pages, {len(self._free[w])} free, '
+    if n > self.free_pages(w) or self._owned[w, slot] + n > self.max_pages_per_seq:
+      raise PagePoolError(f'worker {w} row {slot}: {n} more pages, {self.free_pages(w)} free, '
                           f'{self._owned[w, slot]} owned of {self.max_pages_per_seq}')
     k = int(self._owned[w, slot])
     for j in range(n):
-      self._tables[w, slot, k + j] = heapq.heappop(self._free[w])
+      if self._returned[w]:
+        self._tables[w, slot, k + j] = heapq.heappop(self._returned[w])
+      else:
+        self._tables[w, slot, k + j] = self._fresh[w]
+        self._fresh[w] += 1
     self._owned[w, slot] = k + n
     self.allocated += n
     self.peak_used[w] = max(self.peak_used[w], self.used_pages(w))
@@ -226,7 +235,7 @@ class PagePool:
     """Row `slot` of worker w gives its pages back (a finish); returns how many."""
     n = int(self._owned[w, slot])
     for p in self._tables[w, slot, :n]:
-      heapq.heappush(self._free[w], int(p))
+      heapq.heappush(self._returned[w], int(p))
     self._tables[w, slot] = self.num_pages
     self._owned[w, slot] = 0
     self._seq[w, slot] = -1
@@ -253,10 +262,10 @@ class PagePool:
                                        self._limit[w, s]), self.page_size) - self._owned[w, s])
               for s in rows}
       rows.sort(key=lambda s: self._age[w, s])  # oldest first
-      while sum(need[s] for s in rows) > len(self._free[w]):
+      while sum(need[s] for s in rows) > self.free_pages(w):
         if len(rows) == 1:
           raise PagePoolError(f'worker {w}: seq {self._seq[w, rows[0]]} alone needs '
-                              f'{need[rows[0]]} more pages, {len(self._free[w])} free')
+                              f'{need[rows[0]]} more pages, {self.free_pages(w)} free')
         s = rows.pop()
         q = int(self._seq[w, s])
         self.preemptions.append(dict(worker=w, slot=s, seq_id=q, pages=int(self._owned[w, s])))
@@ -282,7 +291,7 @@ class PagePool:
       self.free(sw, ss)
     ok = []
     for (_, _, dw, ds), (q, n, prompt, limit, reserve) in zip(moves, src, strict=True):
-      if self._seq[dw, ds] >= 0 or n > len(self._free[dw]):
+      if self._seq[dw, ds] >= 0 or n > self.free_pages(dw):
         ok.append(False)
         continue
       self._take(dw, ds, n)

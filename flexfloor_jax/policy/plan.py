@@ -57,11 +57,11 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
     queues, pred, info = scheduler.flexfloor_schedule(
         seqs, history, workers, slots_per_worker, floor=floor,
         steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
-        policy_kw=dict(shared_queue=True, sizes=sizes), kv=kv)
+        policy_kw=dict(shared_queue=True, sizes=sizes), kv=kv, cost=cost)
     policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,
-                                   predicted_makespan_steps=info["balanced_predicted_makespan"],
+                                   predicted_makespan_steps=float(info["balanced_predicted_makespan"]),
                                    **timed)
     return queues, policy, pred
   predicted = prediction.predict(history, seqs)

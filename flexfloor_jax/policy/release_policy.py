@@ -197,10 +197,11 @@ class ReleasePolicy:
     if snaps:
       n = len(chain)
       if cost is not None:  # the size with the fewest device-seconds per step among those that pay
-        k = sum(len(st.live(w)) for w in chain)
+        # rows that will run: the live ones and the queued ones the slots will take
+        k = sum(len(st.live(w)) + len(st.queues[w]) for w in chain)
         ok = [m for m in snaps if m == n or self._release_pays(n, m, snaps[m][1], snaps[m][2],
                                                                st, B)]
-        pick = min(ok, key=lambda m: (m * cost.decode_seconds(m, k), m))
+        pick = min(ok, key=lambda m: (m * cost.decode_seconds(m, min(k, m * B)), m))
       else:  # the smallest allowed size reached
         pick = min(snaps)
       alive, live, queue, free, slot_moves, queue_moves, nd = snaps[pick]
@@ -223,12 +224,15 @@ class ReleasePolicy:
     return max((self._finish(w, live, queue, st, B) for w in live), default=0.0)
 
   def _live_count(self, live, queue) -> int:
-    return sum(len(v) for v in live.values())
+    """Rows that will run: the live ones and the queued ones (a release decided before the first
+    prefill must see the work its survivors take on)."""
+    return sum(len(v) for v in live.values()) + sum(len(v) for v in queue.values())
 
   def _added_makespan(self, cost: StepCost, n, m, live, queue, st, B) -> float:
     R = self._remaining_steps(live, queue, st, B)
     k = self._live_count(live, queue)
-    return max(0.0, R * (cost.decode_seconds(m, k) - cost.decode_seconds(n, k)))
+    return max(0.0, R * (cost.decode_seconds(m, min(k, m * B))
+                         - cost.decode_seconds(n, min(k, n * B))))
 
   def _release_pays(self, n, m, live, queue, st, B) -> bool:
     """With a cost model: going from n to m active workers lowers device-seconds per step and the
@@ -237,13 +241,13 @@ class ReleasePolicy:
     if cost is None:
       return True
     k = self._live_count(live, queue)
-    if m * cost.decode_seconds(m, k) >= n * cost.decode_seconds(n, k):
+    if m * cost.decode_seconds(m, min(k, m * B)) >= n * cost.decode_seconds(n, min(k, n * B)):
       return False
     if self.predicted_makespan_steps is None:
       return True
     assert self.chain is not None  # set by _chain() before plan() weighs a release
     budget = self.makespan_slack * self.predicted_makespan_steps * cost.decode_seconds(
-        len(self.chain), k)
+        len(self.chain), min(k, len(self.chain) * B))
     added = self._added_makespan(cost, n, m, live, queue, st, B)
     return self.slack_used_s + added <= budget + 1e-12
 

@@ -93,7 +93,8 @@ def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
                        slots_per_worker: int, *, pool: PoolLoad | None = None
                        ) -> dict[int, list[int]]:
   """The strong baseline: longest predicted first, each onto the worker whose list-scheduled finish
-  (LPT over its B slots) grows least; samples of one prompt may go to different workers. Queues
+  (LPT over its B slots) grows least, ties to the one with the fewest sequences; samples of one
+  prompt may go to different workers. Queues
   are longest first, so with a shared queue at run time every free slot takes the longest work
   still waiting.
   pool (paged KV, a PoolLoad of the same seqs and predictions): each onto the worker whose
@@ -104,13 +105,15 @@ def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
   if pool is not None:
     loads = {int(w): pool.empty() for w in workers}
     for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
-      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i), v))
+      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i), len(queues[v]), v))
       pool.add(loads[w], i)
       queues[w].append(seqs[i].seq_id)
     return queues
   lanes = {int(w): [0.0] * slots_per_worker for w in workers}
   for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
-    w = min(lanes, key=lambda v: (lanes[v][0] + pred[i], v))
+    # ties (free lanes on several workers) go to the worker with the fewest sequences: in steps
+    # stacking rows on one worker is free, in seconds its steps are the slowest
+    w = min(lanes, key=lambda v: (lanes[v][0] + pred[i], len(queues[v]), v))
     heapq.heapreplace(lanes[w], lanes[w][0] + pred[i])
     queues[w].append(seqs[i].seq_id)
   return queues
@@ -162,7 +165,7 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
                         num_candidates: int = 12, policy_kw: dict | None = None,
                         scenarios: list[dict[int, int]] | None = None,
                         makespan_slack: float = 0.05, late_tol: float | None = None,
-                        return_info: bool = False, kv=None):
+                        return_info: bool = False, kv=None, cost=None):
   """Long predicted sequences on the chain's tail (survives longest), short ones on the head.
 
   Objective: the makespan first, then the device time. A candidate is on time when its simulated
@@ -183,6 +186,11 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   and the balanced budget, `_pack` and head-light's tail estimate a worker's finish from its pool
   (PoolLoad: rows and reserved page-steps) instead of B lanes.
 
+  cost: a step cost model (policy.costs.StepCost): candidates, the balanced budget and the static
+  makespan are then simulated in its seconds, the release policy of the simulations decides on it
+  as at run time, and "fewest device-steps" becomes fewest occupied device-seconds: a step over
+  more rows on a worker is slower, which steps do not see.
+
   Lateness: with `late_tol` None, a candidate is late if it is later than the budget in any
   scenario. With a tolerance, its mean makespan over the scenarios must stay within the mean budget
   and no single scenario may exceed its budget by more than `late_tol` (a fraction), so that one
@@ -199,17 +207,22 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
     raise ValueError(f'workers must be 0..N-1 in some order, got {workers_chain}')
   worlds = list(scenarios) if scenarios else [plens]
 
+  # what a candidate is scored on: device-steps and steps, or with a cost model its seconds
+  work, span = (('occupied_device_seconds', 'makespan_s') if cost is not None
+                else ('device_steps', 'makespan_steps'))
+  timed = dict(cost=cost) if cost is not None else {}
+
   def sim(queues, enabled=True):
-    """Device-steps (mean) and makespan (per scenario) over the length scenarios, with the same
+    """Device time (mean) and makespan (per scenario) over the length scenarios, with the same
     release policy as at run time (it sees only the predictions)."""
     ds, ms = 0.0, []
     for L in worlds:
       pol = release_policy.ReleasePolicy(enabled=enabled, floor=floor, chain=list(workers_chain),
-                                  predicted=plens, **kw)
+                                  predicted=plens, **kw, **timed)
       m = stepsim.simulate(seqs, L, queues, pol, N, B, steps_per_dispatch,
-                           kv=kv(plens) if kv else None)
-      ds += m['device_steps'] / len(worlds)
-      ms.append(m['makespan_steps'])
+                           kv=kv(plens) if kv else None, **timed)
+      ds += m[work] / len(worlds)
+      ms.append(m[span])
     return {'device_steps': ds, 'makespan_steps': np.asarray(ms, float)}
 
   # paged KV: a worker's finish from its pool (rows and reserved page-steps), not B lanes
@@ -217,19 +230,26 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   static_q = static_placement(seqs, sorted(workers_chain))
   ms_static = sim(static_q, enabled=False)['makespan_steps']  # the baseline never releases
   bal_q = balanced_placement(seqs, pred, sorted(workers_chain), B, pool=load)
-  ms_bal = np.zeros(len(worlds))
-  for j, L in enumerate(worlds):  # the balanced schedule: full width, shared queue
+
+  def balanced_run(L, unit):
+    """The balanced schedule in world L: full width, shared queue."""
     pol = release_policy.ReleasePolicy(enabled=True, floor=N, chain=list(workers_chain),
                                 predicted=plens, shared_queue=True, compaction=False, swap=False)
-    ms_bal[j] = stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch,
-                                 kv=kv(plens) if kv else None)['makespan_steps']
+    return stepsim.simulate(seqs, L, bal_q, pol, N, B, steps_per_dispatch,
+                            kv=kv(plens) if kv else None, **unit)
+
+  # in steps whatever the unit: the packing caps and the release policy's budget are in steps
+  steps_bal = np.array([balanced_run(L, {})['makespan_steps'] for L in worlds], float)
+  ms_bal = (np.array([balanced_run(L, timed)[span] for L in worlds], float) if timed
+            else steps_bal)
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))  # ties keep groups together
   lo = max(float(pred.max()), float(pred.sum()) / (N * B))
   if load is not None:
     lo = max(lo, load.bound(N))
   ms_budget = ms_bal * (1.0 + makespan_slack)
   cands = []
-  for c in np.unique(np.linspace(lo, max(lo, ms_budget.mean()), num_candidates).round()):
+  hi = steps_bal.mean() * (1.0 + makespan_slack)
+  for c in np.unique(np.linspace(lo, max(lo, hi), num_candidates).round()):
     cands.append((float(c), _pack(order, pred.astype(float), list(workers_chain), B, float(c),
                                   pool=load)))
   # head-light: the first h workers get B seqs each and no queue (no refill prefill steps while
@@ -278,7 +298,8 @@ def flexfloor_placement(seqs: list[Seq], predicted, workers_chain: list[int],
   info = dict(cap=best[2], predicted_device_steps=best[3]['device_steps'],
               predicted_makespan=float(best[3]['makespan_steps'].mean()),
               static_predicted_makespan=float(ms_static.mean()),
-              balanced_predicted_makespan=float(ms_bal.mean()))
+              balanced_predicted_makespan=float(steps_bal.mean()),
+              unit='seconds' if cost is not None else 'steps')
   return (best[1], info) if return_info else best[1]
 
 
@@ -287,7 +308,7 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
                        num_scenarios: int = 8, seed: int = 0, prior: float | None = None,
                        policy_kw: dict | None = None, late_tol: float | None = 0.15,
                        shallow_late_tol: float | None = 0.05, quantile: float = 0.9,
-                       makespan_slack: float = 0.05, kv=None):
+                       makespan_slack: float = 0.05, kv=None, cost=None):
   """predict -> scenarios from history -> placement, in one call (what the runner needs).
   Returns (queues, predicted lengths by seq id, info). `seed` keys the scenario draws (use the
   epoch) so a schedule is reproducible. Lateness tolerance (see `flexfloor_placement`): `late_tol`
@@ -295,7 +316,7 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
   epoch the scenarios only resample that epoch and underestimate the spread between epochs).
   `quantile` goes to `predict`: placement leans further into each group's tail than the default.
   The defaults suit the synthetic workload (policy/workload.py); another workload may want
-  others. kv: paged KV (see `flexfloor_placement`)."""
+  others. kv: paged KV, cost: the step cost model (see `flexfloor_placement`)."""
   pred = predict(history, seqs, prior, quantile=quantile)
   sc = sample_scenarios(history, seqs, pred, num_scenarios, seed) if len(history) else None
   depth = min((len(history.epochs(s.prompt_id)) for s in seqs), default=0)
@@ -303,5 +324,5 @@ def flexfloor_schedule(seqs: list[Seq], history: LengthHistory, workers_chain: l
   queues, info = flexfloor_placement(seqs, pred, workers_chain, slots_per_worker, floor=floor,
                                      steps_per_dispatch=steps_per_dispatch, scenarios=sc,
                                      policy_kw=policy_kw, late_tol=tol, return_info=True,
-                                     makespan_slack=makespan_slack, kv=kv)
+                                     makespan_slack=makespan_slack, kv=kv, cost=cost)
   return queues, {s.seq_id: float(p) for s, p in zip(seqs, pred, strict=True)}, info

@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, overload
 
+import numpy as np
+
+from flexfloor_jax.policy import costs
 from flexfloor_jax.policy.controller import Finish, RolloutRecord, Seq, finish_reason, run
 
 
@@ -27,6 +30,8 @@ class SimExecutor:
 
   lengths: seq id -> response length (default: each seq's target_len); clipped to max_new_tokens.
   step_cost(kind, num_active, live_slots) -> seconds per step, for simulated wall time (`clock`).
+  cost: a policy.costs.StepCost instead (rows and cached tokens per worker, prefill tokens; a
+  decode dispatch summed in closed form by costs.dispatch_seconds).
   migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
   expert_placement: an expert_placement.ExpertPlacement to report expert moves on shrink.
   """
@@ -36,7 +41,7 @@ class SimExecutor:
                step_cost: Callable[[str, int, int], float] | None = None,
                kv_bytes_per_token: int = 1, migrate_cost: Callable[[int], float] | None = None,
                expert_placement=None, expert_bytes: int = 0,
-               shrink_cost: Callable[[int], float] | None = None):
+               shrink_cost: Callable[[int], float] | None = None, cost=None):
     self.seqs = {s.seq_id: s for s in seqs}
     self.slots_per_worker = B = int(slots_per_worker)
     self.num_workers = N = int(num_workers)
@@ -53,6 +58,7 @@ class SimExecutor:
     self.generated = [[0] * B for _ in range(N)]
     self._active = list(range(N))
     self.step_cost, self.migrate_cost, self.shrink_cost = step_cost, migrate_cost, shrink_cost
+    self.time_model = cost
     self.kv_bytes_per_token = kv_bytes_per_token
     self.placement, self.expert_bytes = expert_placement, expert_bytes
     self.t = 0.0
@@ -79,10 +85,12 @@ class SimExecutor:
     if len(set(ws)) != len(ws) or not set(ws) <= set(self._active):
       raise SimError(f'prefill needs at most one seq per active worker: {assign}')
     out = []
+    prompt_w = dict.fromkeys(self._active, 0.0)
     for w, s, q in assign:
       if self.slot_seq[w][s] >= 0:
         raise SimError(f'prefill into busy slot {(w, s)}')
       g = self.resume.pop(q, 0)  # a preempted seq recomputes its g tokens and makes one more
+      prompt_w[w] = float(self.seqs[q].prompt_len + g)
       self.slot_seq[w][s] = q
       self.generated[w][s] = g + 1
       self.remaining[w][s] = self.length[q] - g - 1
@@ -90,7 +98,9 @@ class SimExecutor:
         out.append(Finish(q, w, s, g + 1, self._reason(q)))
         self.slot_seq[w][s] = -1
     self.steps += 1
-    if self.step_cost is not None:
+    if self.time_model is not None:
+      self.t += float(self.time_model.prefill_seconds(np.array(list(prompt_w.values()))))
+    elif self.step_cost is not None:
       self.t += float(self.step_cost('prefill', len(self._active), self._live_slots() + len(out)))
     return out
 
@@ -110,7 +120,14 @@ class SimExecutor:
       return 0, []
     k = min(k, max(r for w in self._active
                    for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0))
-    if self.step_cost is not None:
+    if self.time_model is not None:
+      rem = np.array([[r if q >= 0 else 0 for q, r in zip(self.slot_seq[w], self.remaining[w],
+                                                          strict=True)] for w in self._active])
+      ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
+                       for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
+                      for w in self._active], float)
+      self.t += costs.dispatch_seconds(self.time_model, rem, ctx, k)
+    elif self.step_cost is not None:
       rems = [r for w in self._active
               for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0]
       for j in range(k):
@@ -197,7 +214,8 @@ def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[in
   if kv is not None and kv.max_seqs != slots_per_worker:
     raise SimError(f'paged KV: slots_per_worker {slots_per_worker} != max_seqs {kv.max_seqs}')
   ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, **executor_kw)
-  clock = ex.clock if executor_kw.get('step_cost') else _step_clock(ex)
+  timed = executor_kw.get('step_cost') or executor_kw.get('cost')
+  clock = ex.clock if timed else _step_clock(ex)
   rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock, kv=kv)
   m = rec.metrics()
   if kv is not None:

@@ -53,6 +53,52 @@ class WorkloadSpec:
   min_len: int = 1
 
 
+# Named cluster workloads of the simulator and the bench (`--workload`). long_reasoning: RL for
+# reasoning, where responses run to thousands of tokens and KV memory, not rows, limits how many
+# sequences run at once: per group of 8 devices 16 prompts x 16 samples, per-prompt lognormal
+# lengths around a median of 3,000 tokens (sigma 0.6), per-sample noise sigma 0.3, cap 16,384,
+# prompts of 512 tokens, the history of 2 earlier epochs. Fixed, not tuned.
+WORKLOADS = ('default', 'long_reasoning')
+@dataclass(frozen=True)
+class LongReasoning:
+  prompts_per_8_devices: int = 16
+  samples_per_prompt: int = 16
+  median: float = 3000.0
+  sigma: float = 0.6
+  sample_noise: float = 0.3
+  cap: int = 16384
+  prompt_len: int = 512
+  epochs: int = 3  # the rollout at epoch 2, with the history of epochs 0 and 1
+
+
+LONG_REASONING = LongReasoning()
+
+
+def long_reasoning_spec(devices: int, seed: int) -> WorkloadSpec:
+  """The long_reasoning workload (`LONG_REASONING`) on `devices` devices."""
+  r = LONG_REASONING
+  return WorkloadSpec(num_prompts=max(1, r.prompts_per_8_devices * devices // 8),
+                      samples_per_prompt=r.samples_per_prompt, seed=seed, sigma=r.sigma,
+                      sample_noise=r.sample_noise, median=r.median, cap=r.cap)
+
+
+def parse_seeds(text: str) -> list[int]:
+  """A comma list of workload seeds (ints >= 0) -> the list; ValueError names the bad entry."""
+  out = []
+  for part in str(text).split(','):
+    part = part.strip()
+    try:
+      seed = int(part)
+    except ValueError:
+      raise ValueError(f'{part!r} is not an int (seeds are a comma list, e.g. 0,1,2,3,4)') from None
+    if seed < 0:
+      raise ValueError(f'seeds must be >= 0, got {seed}')
+    out.append(seed)
+  if len(set(out)) != len(out):
+    raise ValueError(f'seeds repeat: {text!r}')
+  return out
+
+
 def prompt_ids(spec: WorkloadSpec) -> list[str]:
   return [f'p{i:04d}' for i in range(spec.num_prompts)]
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
+import numpy as np
 from absl import flags
 
 from flexfloor_jax.io.atomic import atomic_write
@@ -40,6 +42,42 @@ def format_cluster_table(rows: list[dict]) -> str:
             f["idle_after_finish_fraction_seconds"], r["ratio_oracle"]["oracle_flexfloor"][k],
             r["ratio_oracle"]["oracle_balanced"]["throughput_tokens_per_s"]]
     lines.append(" ".join(f"{v:>{w}{fmt}}" for (_, w, fmt), v in zip(cols, vals, strict=True)))
+  return "\n".join(lines)
+
+
+# the figures each seed gives, by name: (label, row -> value)
+SEED_FIGURES = (
+    ("throughput ff/st", lambda r: r["ratio"]["throughput_tokens_per_s"]),
+    ("tok/occ ff/st", lambda r: r["ratio"]["tokens_per_occupied_device_second"]),
+    ("tok/occ ff/bal",
+     lambda r: r["ratio_flexfloor_balanced"]["tokens_per_occupied_device_second"]),
+    ("makespan ff/bal", lambda r: r["flexfloor"]["generation_wall_s"]
+     / r["balanced"]["generation_wall_s"]),
+    ("oracle-bal/st throughput",
+     lambda r: r["ratio_oracle"]["oracle_balanced"]["throughput_tokens_per_s"]),
+    ("bound/st makespan", lambda r: r["static"]["generation_wall_s"] / r["bound"]["makespan_s"]),
+)
+
+
+def seed_summary(devs: list[int], runs: list[list[dict]]) -> list[dict]:
+  """Per device count, each SEED_FIGURES figure over the seeds: median, min, max."""
+  out = []
+  for i, d in enumerate(devs):
+    row: dict = dict(devices=d)
+    for name, get in SEED_FIGURES:
+      v = np.array([get(rows[i]) for rows in runs], float)
+      row[name] = dict(median=float(np.median(v)), min=float(v.min()), max=float(v.max()))
+    out.append(row)
+  return out
+
+
+def format_seed_table(devs: list[int], runs: list[list[dict]]) -> str:
+  """The seed summary as a table: median [min, max] per figure."""
+  names = [n for n, _ in SEED_FIGURES]
+  lines = ["devices " + " ".join(f"{n:>24}" for n in names)]
+  for row in seed_summary(devs, runs):
+    cells = [f"{row[n]['median']:.3f} [{row[n]['min']:.3f}, {row[n]['max']:.3f}]" for n in names]
+    lines.append(f"{row['devices']:>7} " + " ".join(f"{c:>24}" for c in cells))
   return "\n".join(lines)
 
 
@@ -85,36 +123,66 @@ def main(argv=None) -> int:
     print(f"error: --devices must be a comma-separated list of ints, got {F.devices!r}",
           file=sys.stderr)
     sys.exit(2)
-  rows = []
-  for d in devs:
-    try:
-      rows.append(simulate_cluster(model, hw, d, ep=F.ep, slots_per_worker=F.slots_per_worker,
-                                   length_scale=F.length_scale, prompt_len=F.prompt_len,
-                                   epochs=F.epochs, seed=F.seed,
-                                   steps_per_dispatch=F.steps_per_dispatch,
-                                   release_sizes=F.release_sizes,
-                                   makespan_slack=F.makespan_slack,
-                                   **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_seqs,
-                                           kv_margin=F.kv_margin) if F.kv != "slots" else {})))
-    except (ValueError, FloorError) as e:
-      print(f"error: {d} devices: {e}", file=sys.stderr)
-      sys.exit(2)
+  try:
+    seeds = workload.parse_seeds(F.seeds) if F.seeds.strip() else [F.seed]
+  except ValueError as e:
+    print(f"error: --seeds: {e}", file=sys.stderr)
+    sys.exit(2)
+  if not 0 < F.memory_utilization <= 1:
+    print(f"error: --memory_utilization must be in (0, 1], got {F.memory_utilization}",
+          file=sys.stderr)
+    sys.exit(2)
+  t0 = time.perf_counter()
+  by_seed: dict[int, list[dict]] = {}
+  for seed in seeds:
+    for d in devs:
+      try:
+        by_seed.setdefault(seed, []).append(simulate_cluster(
+            model, hw, d, ep=F.ep, slots_per_worker=F.slots_per_worker,
+            length_scale=F.length_scale, prompt_len=F.prompt_len, epochs=F.epochs, seed=seed,
+            steps_per_dispatch=F.steps_per_dispatch, release_sizes=F.release_sizes,
+            makespan_slack=F.makespan_slack, workload_name=F.workload,
+            **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_num_seqs,
+                    kv_margin=F.kv_margin, kv_memory=F.kv_memory,
+                    memory_utilization=F.memory_utilization) if F.kv != "slots" else {})))
+      except (ValueError, FloorError) as e:
+        print(f"error: {d} devices: {e}", file=sys.stderr)
+        sys.exit(2)
+  rows = by_seed[seeds[0]]
   r0 = rows[0]
+  w = r0["workload"]
   print(f"{model.name} ({model.params / 1e9:.1f}B params, {model.experts} experts top-"
         f"{model.top_k}) on {hw.name} ({hw.hbm_bw / GB:.0f} GB/s HBM, {hw.hbm_bytes / GIB:.0f} GiB,"
-        f" {hw.link_bw / GB:.0f} GB/s link; {hw.source}); workload: {F.slots_per_worker} slots x "
-        f"8 seqs per device, median {r0['workload']['median']:.0f} cap {r0['workload']['cap']} "
-        f"tokens, prompt {F.prompt_len}, {r0['steps_per_dispatch']} steps per dispatch, epoch "
-        f"{r0['epoch']} (history of {r0['epoch']} epochs)")
+        f" {hw.link_bw / GB:.0f} GB/s link; {hw.source}); cost model {r0['cost_model']}; "
+        f"workload {F.workload}: {w['num_prompts'] * w['samples_per_prompt'] // r0['devices']} "
+        f"seqs per device, median {w['median']:.0f} cap {w['cap']} tokens, prompt "
+        f"{r0['prompt_len']}, {r0['steps_per_dispatch']} steps per dispatch, epoch {r0['epoch']} "
+        f"(history of {r0['epoch']} epochs)")
   if "kv" in r0:
     k = r0["kv"]
-    print(f"paged KV: {k['num_pages']} pages of {k['page_size']} tokens per worker (the bytes of "
-          f"{F.slots_per_worker} slots), at most {k['max_seqs']} sequences per worker, admission "
-          f"margin {k['margin']:g}; preemptions static/balanced/flexfloor: "
-          + ", ".join(f"{r['devices']} devices {r['kv']['static']['preemptions']}/"
-                      f"{r['kv']['balanced']['preemptions']}/{r['kv']['flexfloor']['preemptions']}"
-                      for r in rows))
+    source = (f"{F.memory_utilization:g} of device memory less each schedule's weights"
+              if F.kv_memory == "device" else f"the bytes of {F.slots_per_worker} slots")
+    print(f"paged KV ({source}): pages of {k['page_size']} tokens per worker, at most "
+          f"{k['max_seqs']} sequences per worker, admission margin {k['margin']:g}")
+    for r in rows:
+      k = r["kv"]
+      fc = k.get("floor_choice")
+      choice = ("; FlexFloor floor candidates " + ", ".join(
+          f"{c['floor']}: {c['pages']} pages, predicted {c['predicted_makespan_s']:.2f} s, "
+          f"{c['predicted_occupied_device_seconds']:.1f} device-s" for c in fc["candidates"])
+          if fc else "")
+      print(f"  {r['devices']} devices: pages static/balanced {k['static']['num_pages']}, "
+            f"flexfloor {k['flexfloor']['num_pages']} (floor {r['floor']}); preemptions "
+            f"{k['static']['preemptions']}/{k['balanced']['preemptions']}/"
+            f"{k['flexfloor']['preemptions']}{choice}")
   print(format_cluster_table(rows))
+  for r in rows:
+    b = r["bound"]
+    print(f"  {r['devices']} devices: lower bound: makespan {b['makespan_s']:.2f} s, occupied "
+          f"{b['occupied_device_seconds']:.1f} device-s (bounds.lower_bound)")
+  if len(seeds) > 1:
+    print(f"over seeds {','.join(map(str, seeds))}: median [min, max]")
+    print(format_seed_table(devs, [by_seed[s] for s in seeds]))
   print("RL step = generation + old log-probs + update (~3 forwards), roofline seconds; "
         "+reuse: released workers score finished responses during generation")
   for r in rows:
@@ -126,9 +194,13 @@ def main(argv=None) -> int:
           f"generation): step time x{fl['step_s'] / re['step_s']:.3f}")
   out = F.output_dir
   os.makedirs(out, exist_ok=True)
-  atomic_write(os.path.join(out, "sim.json"), json.dumps(rows, indent=2))
+  doc = rows if len(seeds) == 1 else dict(
+      seeds=seeds, runs={str(s): by_seed[s] for s in seeds},
+      summary=seed_summary(devs, [by_seed[s] for s in seeds]))
+  atomic_write(os.path.join(out, "sim.json"), json.dumps(doc, indent=2))
   plot_cluster(rows, os.path.join(out, "sim.png"))
-  print(f"wrote {os.path.join(out, 'sim.json')} and {os.path.join(out, 'sim.png')}")
+  print(f"wrote {os.path.join(out, 'sim.json')} and {os.path.join(out, 'sim.png')} "
+        f"({time.perf_counter() - t0:.0f} s)")
   return 0
 
 
@@ -142,7 +214,13 @@ def define_flags():
   flags.DEFINE_float("length_scale", 8.0, "response lengths x this (median 64, cap 256 at 1)")
   flags.DEFINE_integer("prompt_len", 256, "prompt tokens per sequence")
   flags.DEFINE_integer("epochs", 3, "simulate epoch epochs-1 with the history of the ones before")
-  flags.DEFINE_integer("seed", 0, "workload seed")
+  flags.DEFINE_integer("seed", 0, "workload seed (one run; --seeds for several)")
+  flags.DEFINE_string("seeds", "", "comma list of workload seeds, e.g. 0,1,2,3,4: every figure "
+                      "the median over them with min and max; '' = --seed")
+  flags.DEFINE_enum("workload", "default", list(workload.WORKLOADS), "default: --length_scale "
+                    "x the default rollout's lengths; long_reasoning: 16 prompts x 16 samples "
+                    "per 8 devices, median 3,000 tokens, cap 16,384, prompts of 512 "
+                    "(policy/workload.py LONG_REASONING)")
   flags.DEFINE_integer("steps_per_dispatch", 0, "decode steps between host checks; 0 = 8 x "
                        "length_scale (the default rollout's granularity)")
   flags.DEFINE_string("output_dir", "sim_out", "where sim.json and sim.png go")
@@ -154,8 +232,15 @@ def define_flags():
                     "rows of the full length; 'paged' = a page pool of the same bytes "
                     "(policy/pages.py): concurrency from memory")
   flags.DEFINE_integer("page_size", 16, "--kv=paged: tokens per page")
-  flags.DEFINE_integer("max_seqs", 0, "--kv=paged: most sequences per worker; 0 = 2 x "
-                       "slots_per_worker")
+  flags.DEFINE_integer("max_num_seqs", 0, "--kv=paged: most sequences per worker (vLLM's "
+                       "max_num_seqs: the compiled row bound); 0 = 64 on device memory, 2 x "
+                       "slots_per_worker with --kv_memory=slots")
+  flags.DEFINE_enum("kv_memory", "device", ["device", "slots"], "--kv=paged: the pool's bytes. "
+                    "device: equal device memory, what --memory_utilization of a device leaves "
+                    "beside each schedule's own weights (FlexFloor's floor chosen on the "
+                    "roofline); slots: the fixed-slot cache's bytes for every schedule")
+  flags.DEFINE_float("memory_utilization", 0.9, "--kv=paged on device memory: the share of a "
+                     "device a run may use (vLLM's gpu_memory_utilization)")
   flags.DEFINE_float("kv_margin", 0.0, "--kv=paged: admission reserves predicted length x "
                      "(1 + this)")
   flags.DEFINE_string("calibrate", "", "run records (bench_out/runs/*.json, comma-separated) of "

@@ -23,11 +23,11 @@ import numpy as np
 
 from flexfloor_jax.policy import plan, prediction, release_policy, scheduler, workload
 from flexfloor_jax.policy.controller import Seq
-from flexfloor_jax.policy.floor import floor_workers
+from flexfloor_jax.policy.floor import FloorError, expert_slots, floor_workers
 from flexfloor_jax.policy.floor import release_sizes as allowed_sizes
 from flexfloor_jax.policy.history import LengthHistory
-from flexfloor_jax.policy.pages import PagePool, equal_budget_pages
-from flexfloor_jax.sim import reuse
+from flexfloor_jax.policy.pages import PagePool, equal_budget_pages, pages_for, pool_pages
+from flexfloor_jax.sim import bounds, reuse
 from flexfloor_jax.sim.costs import RooflineCost, RooflineStepCost
 from flexfloor_jax.sim.presets import Hardware, Model
 from flexfloor_jax.sim.replay import replay
@@ -68,8 +68,11 @@ def _group_job(job):
   if len(job) > 14:  # paged KV: (pages per worker, page size, margin); B is max_seqs
     num_pages, page_size, margin = job[14]
 
+    width = max(pages_for(s.prompt_len + s.max_new_tokens, page_size) for s in gs)
+
     def make_pool(pred):
-      return PagePool(ep, num_pages, page_size, B, predicted=pred, margin=margin)
+      return PagePool(ep, num_pages, page_size, B, min(width, num_pages), predicted=pred,
+                      margin=margin)
 
     kv = make_pool
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
@@ -108,7 +111,7 @@ def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
 
 def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int, ep: int,
                 slack: float = 0.05, *, num_scenarios: int = 8, num_candidates: int = 16,
-                seed: int = 0) -> list[list[int]]:
+                seed: int = 0, cost=None) -> list[list[int]]:
   """Which sequences each EP group serves (indices into `seqs`).
   static: verl's contiguous data-parallel chunks. balanced: longest predicted first onto the group
   whose list-scheduled finish (over its ep x slots lanes) grows least. flexfloor: packed from the
@@ -116,7 +119,10 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   the short work (or none), finish early and are released whole. The cap is chosen like the
   in-group placement's (scheduler.flexfloor_placement): over length scenarios drawn from the
   history, the largest packing whose mean makespan stays within `slack` of the balanced split's
-  and that holds the fewest group-seconds (a group is held until its last response)."""
+  and that holds the fewest group-seconds (a group is held until its last response).
+  cost (a policy.costs.StepCost): a group's finish in seconds, its lane-steps times the step
+  seconds of its rows (a packed group runs more rows per worker, each step reading more KV: in
+  steps packing is free, in seconds it is not); without, in lane-steps."""
   if schedule == "static":
     return [list(map(int, g)) for g in np.array_split(np.arange(len(seqs)), groups)]
   # a group admits one sequence per worker per prefill step and every lane waits for it: each
@@ -130,41 +136,109 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   worlds = ([np.array([d[i] for i in range(len(seqs))], float) + prefill
              for d in prediction.sample_scenarios(history, idx, pred, num_scenarios, seed)]
             if len(history) else [pred])
+  # cached tokens of a live row, on average over its life: its prompt and half its response
+  row_ctx = np.array([s.prompt_len for s in seqs], float) + pred / 2
+
+  def step_s(q) -> float:
+    """Seconds of one step of a group running the sequences q, at its mean rows per worker."""
+    if cost is None:
+      return 1.0
+    rows = min(lanes, len(q)) / ep
+    return cost.worker_step_seconds(np.full(ep, rows), np.full(ep, rows * row_ctx[q].mean()))
 
   def finishes(split):
-    """[scenario, group] list-scheduled finish (lane-steps) of a split; queues in split order."""
-    return np.array([[release_policy.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
-                      for q in split] for L in worlds])
+    """[unit, scenario, group] finish of a split in lane-steps and in seconds (lane-steps again
+    without `cost`); queues in split order."""
+    steps = np.array([[release_policy.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
+                       for q in split] for L in worlds])
+    return np.stack([steps, steps * np.array([step_s(q) if q else 0.0 for q in split])])
 
   bal_split = [bal[g] for g in range(groups)]
-  budget = finishes(bal_split).max(axis=1).mean() * (1.0 + slack)
+  # on time in both units: the seconds estimate prices rows, the lane-steps keep the makespan
+  # guard that a mean-rows step time would loosen
+  budget = finishes(bal_split).max(axis=2).mean(axis=1) * (1.0 + slack)
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
   lo = float(pred.sum()) / (groups * lanes)
   hi = max(release_policy.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
-  best = (float(finishes(bal_split).sum(axis=1).mean()), bal_split)  # balanced: always on time
+  best = (float(finishes(bal_split)[1].sum(axis=1).mean()), bal_split)  # balanced: on time
   for cap in np.linspace(lo, max(lo, hi) * (1.0 + slack), num_candidates):
     packed = scheduler._pack(order, pred, list(range(groups)), lanes, float(cap))
     split = [packed[g] for g in range(groups)]
     fin = finishes(split)
-    if fin.max(axis=1).mean() <= budget and fin.sum(axis=1).mean() < best[0]:
-      best = (float(fin.sum(axis=1).mean()), split)
+    held = float(fin[1].sum(axis=1).mean())  # group-seconds (a group held to its last response)
+    if (fin.max(axis=2).mean(axis=1) <= budget).all() and held < best[0]:
+      best = (held, split)
   return best[1]
 
 
-def _kv_summary(paged, max_seqs: int, groups_of) -> dict:
-  """Paged KV: the pool and, per schedule, its preemptions and the peak pages of a worker."""
-  num_pages, page_size, margin = paged
-  out: dict[str, Any] = dict(num_pages=num_pages, page_size=page_size, max_seqs=max_seqs,
-                             margin=margin)
+def _kv_summary(paged: dict, max_seqs: int, groups_of, floor_choice) -> dict:
+  """Paged KV: per schedule its pool (pages of a worker), preemptions and the peak pages of a
+  worker; FlexFloor's floor choice (choose_floor) where the pools come from device memory."""
+  out: dict[str, Any] = dict(page_size=paged["static"][1], max_seqs=max_seqs,
+                             margin=paged["static"][2], num_pages=paged["static"][0])
   for label in RUNS:
     g = groups_of(label)
-    out[label] = dict(preemptions=sum(m["preemptions"] for m in g),
+    out[label] = dict(num_pages=paged[label.removeprefix("oracle_")][0],
+                      preemptions=sum(m["preemptions"] for m in g),
                       peak_pages=max((m["peak_pages"] for m in g), default=0))
+  if floor_choice is not None:
+    out["floor_choice"] = floor_choice
   return out
 
 
 # the oracle runs: the same policy told every response's actual length
 RUNS = plan.SCHEDULES + ("oracle_balanced", "oracle_flexfloor")
+
+
+DEFAULT_MAX_NUM_SEQS = 64  # --kv=paged on device memory: the compiled row bound per worker
+DEFAULT_MEMORY_UTILIZATION = 0.9  # share of a device's memory a run may use (vLLM's default)
+
+
+def kv_pages(model: Model, hw: Hardware, expert_slots: int, workspace: int, page_size: int,
+             memory_utilization: float) -> int:
+  """Pages of one worker's pool on device memory: the usable share of the device less its
+  resident weights (non-expert + `expert_slots` experts) and `workspace`."""
+  return pool_pages(int(hw.hbm_bytes * memory_utilization),
+                    model.nonexpert_bytes + expert_slots * model.expert_bytes, workspace,
+                    model.kv_bytes_per_token, page_size)
+
+
+def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history, *, page_size: int,
+                 max_seqs: int, margin: float, memory_utilization: float, max_seq_len: int,
+                 steps_per_dispatch: int, epoch: int, slack: float, ctx: float) -> dict:
+  """FlexFloor's floor on device memory: a floor of f workers preallocates ceil(E/f) expert slots
+  and the move workspace on every device, which leaves fewer KV pages; a small floor releases
+  more and holds fewer sequences at once. Each candidate (every feasible size that is a power of
+  two, the smallest feasible one and ep) is replayed on the probe group with the predicted lengths
+  (never the actual ones) on the roofline; the pick holds the fewest occupied device-seconds
+  among those whose makespan is within `slack` of the floor at ep (no release: balanced's
+  memory). Returns the pick, its pages and every candidate's terms."""
+  row = max_seq_len * model.kv_bytes_per_token
+  workspace = 2 * model.expert_bytes + 2 * row  # engine.memory.floor_terms: in-flight moves
+  pred = prediction.predict(history, probe)
+  guess = [dataclasses.replace(s, target_len=int(max(1, min(round(p), s.max_new_tokens))))
+           for s, p in zip(probe, pred, strict=True)]
+  feasible = [f for f in range(1, ep + 1)
+              if kv_pages(model, hw, expert_slots(model.experts, f), workspace, page_size,
+                          memory_utilization) * page_size >= max_seq_len]
+  if not feasible:
+    raise FloorError(f"{model.name} leaves no room for one sequence of {max_seq_len} tokens on "
+                     f"{ep} x {hw.name}")
+  cands = sorted({feasible[0], ep} | {f for f in feasible if f & (f - 1) == 0})
+  rows = []
+  for f in cands:
+    pages = kv_pages(model, hw, expert_slots(model.experts, f), workspace if f < ep else 0,
+                     page_size, memory_utilization)
+    m = _group_job(("flexfloor", guess, history, ep, max_seqs, f, model, hw, steps_per_dispatch,
+                    epoch, None, slack, ctx, "auto", (pages, page_size, margin)))
+    rows.append(dict(floor=f, expert_slots=expert_slots(model.experts, f), pages=pages,
+                     workspace_bytes=workspace if f < ep else 0,
+                     predicted_makespan_s=m["generation_wall_s"],
+                     predicted_occupied_device_seconds=m["occupied_device_seconds"]))
+  at_ep = rows[-1]["predicted_makespan_s"]
+  ok = [r for r in rows if r["predicted_makespan_s"] <= (1.0 + slack) * at_ep]
+  pick = min(ok, key=lambda r: (r["predicted_occupied_device_seconds"], -r["floor"]))
+  return dict(floor=pick["floor"], pages=pick["pages"], candidates=rows)
 
 
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
@@ -174,39 +248,50 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      steps_per_dispatch: int = 0, seed: int = 0,
                      processes: int | None = None, release_sizes: str = "",
                      makespan_slack: float = 0.05, kv: str = "slots", page_size: int = 16,
-                     max_seqs: int = 0, kv_margin: float = 0.0) -> dict:
+                     max_seqs: int = 0, kv_margin: float = 0.0, kv_memory: str = "device",
+                     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
+                     workload_name: str = "default") -> dict:
   """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
   `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
   scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
-  (the default rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens).
-  steps_per_dispatch 0 = the default rollout's 8 x length_scale: the same host-check granularity
-  relative to response length (finishes and refills stop a dispatch at the exact step anyway).
-  Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its release
-  policy deciding on the roofline (RooflineStepCost: the time-aware floor) and `release_sizes`.
+  (the default rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens);
+  workload_name='long_reasoning' replaces it (and prompt_len, epochs) with
+  workload.LONG_REASONING.
+  steps_per_dispatch 0 = the default rollout's 8 steps per 64 tokens of median response: the same
+  host-check granularity relative to response length (finishes and refills stop a dispatch at the
+  exact step anyway).
+  Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its
+  placement and release policy deciding on the roofline (RooflineStepCost) and `release_sizes`.
   processes: worker processes for the groups (default: all cores; 1 = in this process).
-  kv='paged': each worker's KV is a pool of pages of `page_size` tokens with the fixed-slot
-  cache's bytes (slots_per_worker rows of prompt_len + cap tokens: the same floor), at most
-  `max_seqs` sequences (0 = 2 x slots_per_worker), admission on predictions x (1 + kv_margin),
-  the youngest preempted when a pool runs out (policy/pages.py); max_seqs then takes the place
-  of slots_per_worker in the placements."""
+  kv='paged': each worker's KV is a pool of pages of `page_size` tokens, at most `max_seqs`
+  sequences per worker, admission on predictions x (1 + kv_margin), the youngest preempted when a
+  pool runs out (policy/pages.py); max_seqs then takes the place of slots_per_worker in the
+  placements. The pool's bytes: kv_memory='device' (equal device memory): what
+  `memory_utilization` of the device leaves beside each schedule's own resident bytes (static
+  and balanced ceil(E/ep) expert slots; FlexFloor the slots of its floor and the move workspace,
+  its floor chosen on the roofline by `choose_floor`); max_seqs 0 = DEFAULT_MAX_NUM_SEQS.
+  kv_memory='slots': the fixed-slot cache's bytes for every schedule (slots_per_worker rows of
+  prompt_len + cap tokens: the same floor); max_seqs 0 = 2 x slots_per_worker."""
   if kv not in ("slots", "paged"):
     raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
-  steps_per_dispatch = steps_per_dispatch or max(
-      1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * length_scale)))
+  if kv_memory not in ("device", "slots"):
+    raise ValueError(f"kv_memory must be 'device' or 'slots', got {kv_memory!r}")
+  if workload_name not in workload.WORKLOADS:
+    raise ValueError(f"workload must be one of {workload.WORKLOADS}, got {workload_name!r}")
   ep = ep or min(devices, model.experts, 8)
   if ep > model.experts or devices % ep:
     raise ValueError(f"ep={ep} must divide devices={devices} and be <= {model.experts} experts")
-  num_prompts = max(1, devices * seqs_per_device // samples_per_prompt)
-  spec = workload.WorkloadSpec(num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
-                               seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
-                               cap=int(round(workload.DEFAULT_CAP * length_scale)))
+  if workload_name == "long_reasoning":
+    spec = workload.long_reasoning_spec(devices, seed)
+    prompt_len, epochs = workload.LONG_REASONING.prompt_len, workload.LONG_REASONING.epochs
+  else:
+    num_prompts = max(1, devices * seqs_per_device // samples_per_prompt)
+    spec = workload.WorkloadSpec(num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
+                                 seed=seed, median=workload.DEFAULT_MEDIAN * length_scale,
+                                 cap=int(round(workload.DEFAULT_CAP * length_scale)))
+  steps_per_dispatch = steps_per_dispatch or max(
+      1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * spec.median / workload.DEFAULT_MEDIAN)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
-  sizes = allowed_sizes(release_sizes, ep, floor)
-  lanes_per_worker, paged = slots_per_worker, ()
-  if kv == "paged":
-    lanes_per_worker = max_seqs or 2 * slots_per_worker
-    paged = ((equal_budget_pages(slots_per_worker, prompt_len + spec.cap, page_size), page_size,
-              kv_margin),)
   last = epochs - 1
   seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
   hist = LengthHistory()
@@ -214,6 +299,32 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
     prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
     hist.add_rollout(e, prev, workload.target_lengths(prev))
   ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
+  lanes_per_worker = slots_per_worker
+  paged: dict[str, tuple[int, int, float]] = {}  # schedule -> (pages, page size, margin)
+  floors: dict[str, int] = {}
+  floor_choice = None
+  if kv == "paged":
+    if kv_memory == "slots":
+      lanes_per_worker = max_seqs or 2 * slots_per_worker
+      pages = equal_budget_pages(slots_per_worker, prompt_len + spec.cap, page_size)
+      paged = dict.fromkeys(plan.SCHEDULES, (pages, page_size, kv_margin))
+    else:
+      lanes_per_worker = max_seqs or DEFAULT_MAX_NUM_SEQS
+      fixed = kv_pages(model, hw, expert_slots(model.experts, ep), 0, page_size,
+                       memory_utilization)
+      groups = devices // ep
+      probe = max(group_split(seqs, "balanced", hist, groups, ep * lanes_per_worker, ep),
+                  key=len)
+      floor_choice = choose_floor(
+          model, hw, ep, [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(probe)],
+          hist, page_size=page_size, max_seqs=lanes_per_worker, margin=kv_margin,
+          memory_utilization=memory_utilization, max_seq_len=prompt_len + spec.cap,
+          steps_per_dispatch=steps_per_dispatch, epoch=last, slack=makespan_slack, ctx=ctx)
+      floor = floor_choice["floor"]
+      paged = {"static": (fixed, page_size, kv_margin), "balanced": (fixed, page_size, kv_margin),
+               "flexfloor": (floor_choice["pages"], page_size, kv_margin)}
+    floors = dict.fromkeys(("static", "balanced"), ep if kv_memory == "device" else floor)
+  sizes = allowed_sizes(release_sizes, ep, floor)
   # the schedules with perfect knowledge (every sequence its own prompt, whose history is its
   # actual length): what the policy and the cost model allow on these lengths. oracle_balanced's
   # makespan bounds the throughput, oracle_flexfloor's device time the tokens per device-second.
@@ -229,14 +340,15 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   for label in RUNS:
     sched = label.removeprefix("oracle_")
     ss, hh = (oracle, known) if label.startswith("oracle_") else (seqs, hist)
+    extra = (paged[sched],) if paged else ()
     for g in group_split(ss, sched, hh, devices // ep, ep * lanes_per_worker, ep,
-                         makespan_slack, seed=last):
+                         makespan_slack, seed=last, cost=RooflineStepCost(model, hw, ctx)):
       if not g:  # a group given no work is released before the first step
         continue
       labels.append(label)
       jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
-                   hh, ep, lanes_per_worker, floor, model, hw, steps_per_dispatch, last, sizes,
-                   inner_slack, ctx, inner_placement) + paged)
+                   hh, ep, lanes_per_worker, floors.get(sched, floor), model, hw,
+                   steps_per_dispatch, last, sizes, inner_slack, ctx, inner_placement) + extra)
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1 and devices // ep > 1:
     mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
@@ -254,6 +366,21 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
         "flexfloor": rl_step_seconds(groups_of("flexfloor"), model, hw, floor, released=False),
         "flexfloor_released_logprobs": rl_step_seconds(groups_of("flexfloor"), model, hw, floor,
                                                        released=True)}
+  lengths = workload.target_lengths(seqs)
+  bound = bounds.lower_bound(
+      [lengths[s.seq_id] for s in seqs], [s.prompt_len for s in seqs],
+      RooflineStepCost(model, hw, ctx), max_workers=ep, max_seqs=lanes_per_worker,
+      min_workers=floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, 0,
+                                int(hw.hbm_bytes), ep))
+  # a bound is a bound: no run, oracle policies included, beats it. Asserted on the roofline,
+  # whose steps are monotone in rows and cached tokens (bounds' premises); a measured step table
+  # interpolates between measurements and need not be
+  for label in RUNS if hw.step_table is None else ():
+    m = out[label]
+    if (m["generation_wall_s"] < bound["makespan_s"] * (1 - 1e-9)
+        or m["occupied_device_seconds"] < bound["occupied_device_seconds"] * (1 - 1e-9)):
+      raise AssertionError(f"{label} beats the lower bound: {m['generation_wall_s']} s, "
+                           f"{m['occupied_device_seconds']} device-s against {bound}")
   keys = ("tokens_per_occupied_device_second", "throughput_tokens_per_s",
           "occupied_device_seconds", "generation_wall_s")
   s = out["static"]
@@ -269,6 +396,9 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
               static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
               ratio_balanced=ratio_balanced, oracle_balanced=out["oracle_balanced"],
               oracle_flexfloor=out["oracle_flexfloor"], ratio_oracle=ratio_oracle,
-              rl_step=rl, **(dict(kv=_kv_summary(paged[0], lanes_per_worker, groups_of))
-                             if paged else {}))
+              ratio_flexfloor_balanced={k: out["flexfloor"][k] / out["balanced"][k]
+                                        for k in keys if out["balanced"][k]},
+              workload_name=workload_name, bound=bound,
+              rl_step=rl, **(dict(kv=_kv_summary(paged, lanes_per_worker, groups_of,
+                                                 floor_choice)) if paged else {}))
 

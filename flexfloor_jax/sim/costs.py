@@ -87,12 +87,25 @@ class RooflineStepCost:
     self.roof, self.ctx = RooflineCost(model, hw), float(ctx_per_seq)
     self.name = f"roofline:{hw.name}"
 
-  def decode_seconds(self, n_active: int, live_seqs: int) -> float:
-    n, E = int(n_active), self.roof.model.experts
+  def _held(self, n: int) -> np.ndarray:
+    E = self.roof.model.experts
     held = np.full(n, E // n, float)
     held[:E % n] += 1
+    return held
+
+  def decode_seconds(self, n_active: int, live_seqs: int) -> float:
+    n = int(n_active)
     tok = np.full(n, max(float(live_seqs), 1.0) / n)
-    return self.roof.step_seconds(held, tok, tok * self.ctx)
+    return self.roof.step_seconds(self._held(n), tok, tok * self.ctx)
+
+  def worker_step_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray) -> float:
+    rows_w = np.asarray(rows_w, float)
+    return self.roof.step_seconds(self._held(len(rows_w)), rows_w, np.asarray(kv_w, float))
+
+  def prefill_seconds(self, prompt_w: np.ndarray) -> float:
+    tok = np.asarray(prompt_w, float)
+    # causal attention over the prompt: ~P^2/2 token-context products; KV read = the prompt
+    return self.roof.step_seconds(self._held(len(tok)), tok, tok, tok * tok / 2)
 
 
 @dataclasses.dataclass

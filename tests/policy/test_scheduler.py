@@ -104,23 +104,23 @@ def _two_long_six_short():
 
 
 def test_pool_aware_balanced_placement_by_hand():
-  """Lanes: worker 0's 4 lanes are all free for the two 40s (LPT keys 40 on both workers, tie ->
-  worker 0) and two 4s; its pool runs the 40s one after the other: 4 prefill rounds + 39 decode
-  steps, then 3 rounds + 39: 85 steps. On the pool (PoolLoad: finish = sequences + max(rows' LPT,
-  reserved page-steps / 16)): the second 40 would make worker 0's finish 2 + 22 x 40 / 16 = 57 >
-  worker 1's 41, so the 40s go to different workers, the 4s alternate; 43 steps = the lower
-  bound (40 + 4 prefill rounds - 1)."""
+  """Lanes: the two 40s key 40 on both workers (4 free lanes each); the tie goes to the worker
+  with fewer sequences, so they spread, and the 4s alternate. On the pool (PoolLoad: finish =
+  sequences + max(rows' LPT, reserved page-steps / 16)): the second 40 would make worker 0's
+  finish 2 + 22 x 40 / 16 = 57 > worker 1's 41, so the 40s go to different workers, the 4s
+  alternate; 43 steps = the lower bound (40 + 4 prefill rounds - 1), where both 40s stacked on
+  one worker run one after the other (85)."""
   seqs, pred, kv = _two_long_six_short()
   lane = scheduler.balanced_placement(seqs, pred, [0, 1], 4)
   load = scheduler.PoolLoad(seqs, pred, kv, 5)
   assert list(load.reserve) == [11, 11] + [3] * 6
   assert load.finish([0, 1, 2, 3]) == 4 + 22 * 40 / 16 + 6 * 4 / 16
   mem = scheduler.balanced_placement(seqs, pred, [0, 1], 4, pool=load)
-  assert lane == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
-  assert mem == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
+  assert lane == mem == {0: [0, 2, 4, 6], 1: [1, 3, 5, 7]}
   lengths = {s.seq_id: s.target_len for s in seqs}
+  stacked = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}  # both 40s on worker 0: one after the other
   ms = [stepsim.simulate(seqs, None, q, release_policy.ReleasePolicy(False), 2, 4, 5,
-                         kv=kv(lengths))['makespan_steps'] for q in (lane, mem)]
+                         kv=kv(lengths))['makespan_steps'] for q in (stacked, mem)]
   assert ms == [85, 43]
   from flexfloor_jax.policy import pages
   assert pages.makespan_lower_bound(seqs, lengths, 2, 16, 4, 4)['bound'] == 43

@@ -192,3 +192,55 @@ def test_roofline_makes_eight_to_seven_a_loss():
           "print(7 * t[7] > 8 * t[8], 4 * t[4] < 8 * t[8], 'jax' in __import__('sys').modules)")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.split() == ["True", "True", "False"]
+
+
+class HandCost:
+  """A hand step-cost table: a step takes 1 s plus `per_row` s for every row past the first on
+  its busiest worker (the slowest worker gates an SPMD step); a prefill step takes 1 s."""
+
+  name = "hand"
+
+  def __init__(self, per_row: float):
+    self.per_row = per_row
+
+  def worker_step_seconds(self, rows_w, kv_w):
+    del kv_w
+    return 1.0 + self.per_row * max(0.0, float(max(rows_w)) - 1.0)
+
+  def decode_seconds(self, n_active, live_seqs):
+    return self.worker_step_seconds([-(-max(live_seqs, 1) // n_active)], None)
+
+  def prefill_seconds(self, prompt_w):
+    del prompt_w
+    return 1.0
+
+
+@pytest.mark.parametrize("per_row, spread", [(1.0, True), (0.0, False)])
+def test_placement_spreads_rows_only_where_packing_costs_seconds(per_row, spread):
+  """Two responses of 20 tokens, two workers of two slots, floor 1. Packing both on one worker lets
+  the other go at once: free in steps. With a table where a second row on a worker doubles its
+  step, the packed run takes 40 s against the spread run's 20 (late), so the placement spreads
+  them; with a table where rows are free, packing holds 20 device-s against 40, so it packs."""
+  s = seqs_of([20, 20])
+  queues, info = scheduler.flexfloor_placement(
+      s, [20, 20], [0, 1], 2, floor=1, cost=HandCost(per_row), return_info=True,
+      policy_kw=dict(shared_queue=True))
+  assert info["unit"] == "seconds"
+  assert sorted(len(q) for q in queues.values()) == ([1, 1] if spread else [0, 2])
+  # the same in device-steps alone: packing is always free there
+  steps_q = scheduler.flexfloor_placement(s, [20, 20], [0, 1], 2, floor=1,
+                                          policy_kw=dict(shared_queue=True))
+  assert sorted(len(q) for q in steps_q.values()) == [0, 2]
+
+
+@pytest.mark.parametrize("per_row, spread", [(1.0, True), (0.0, False)])
+def test_group_split_spreads_rows_only_where_packing_costs_seconds(per_row, spread):
+  """Across groups: four responses of 30 tokens, two groups of one worker with four lanes.
+  Packed into one group, the other group goes at once (free in lane-steps); when rows cost
+  seconds, the packed group's steps are four times as long and it is late, so the split spreads."""
+  from flexfloor_jax.sim import cluster
+  s = seqs_of([30, 30, 30, 30])
+  hist = LengthHistory()
+  hist.add_rollout(0, s, {x.seq_id: x.target_len for x in s})
+  split = cluster.group_split(s, "flexfloor", hist, 2, 4, 1, 0.05, cost=HandCost(per_row))
+  assert sorted(len(g) for g in split) == ([2, 2] if spread else [0, 4])

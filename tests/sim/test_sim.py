@@ -40,17 +40,23 @@ def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
   assert (tmp_path / "sim.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_bad_cli_input_is_one_line(tmp_path):
-  """An unknown model preset, as a user runs it: exit 2, one `error:` line naming the flag and the
-  value, no traceback, nothing written. (The sim's checks read absl's parsed flags inside
-  cli.main: this run is their test. A bad measured table: test_measured_hw.py.)"""
+@pytest.mark.parametrize("flag, named, value", [
+    ("--model=nope", "--model", "'nope'"),
+    ("--seeds=0,x", "--seeds", "'x'"),
+    ("--seeds=1,1", "--seeds", "repeat"),
+    ("--seeds=-2", "--seeds", "-2"),
+    ("--memory_utilization=1.5", "--memory_utilization", "1.5"),
+])
+def test_bad_cli_input_is_one_line(tmp_path, flag, named, value):
+  """Bad input, as a user runs it: exit 2, one `error:` line naming the flag and the value, no
+  traceback, nothing written. (The sim's checks read absl's parsed flags inside cli.main: these
+  runs are their test. A bad measured table: test_measured_hw.py.)"""
   out = tmp_path / "out"
-  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", "--model=nope",
-                      f"--output_dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                     timeout=60)
+  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", flag, f"--output_dir={out}"],
+                     cwd=ROOT, capture_output=True, text=True, timeout=60)
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
-  assert lines[0].startswith("error: --model") and "'nope'" in lines[0], lines
+  assert lines[0].startswith(f"error: {named}") and value in lines[0], lines
   assert r.stdout == "" and not out.exists()
 
 
@@ -234,12 +240,14 @@ def test_paged_kv_cluster_table():
   kw = dict(length_scale=1.0, prompt_len=32, processes=1, epochs=1)
   model, hw = MODELS["mixtral-8x7b"], HARDWARE["tpu-v5p"]
   slots = simulate_cluster(model, hw, 8, **kw)
-  full = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=4, kv_margin=1e9, **kw)
+  full = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=4, kv_margin=1e9,
+                          kv_memory="slots", **kw)
   assert full["kv"]["num_pages"] == 4 * (32 + 256) // 16
   for label in ("static", "balanced", "flexfloor"):
     assert full[label] == slots[label], label
     assert full["kv"][label]["preemptions"] == 0
-  more = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=8, **kw)
+  more = simulate_cluster(model, hw, 8, kv="paged", page_size=16, max_seqs=8, kv_memory="slots",
+                          **kw)
   assert more["kv"]["max_seqs"] == 8
   for label in ("static", "balanced", "flexfloor"):
     assert more[label]["generated_tokens"] == slots["static"]["generated_tokens"]
