@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from flexfloor_jax.policy import plan, prediction, release_policy, scheduler, workload
+from flexfloor_jax.policy import plan, prediction, release_policy, scheduler, stepsim, workload
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, expert_slots, floor_workers
 from flexfloor_jax.policy.floor import release_sizes as allowed_sizes
@@ -120,9 +120,10 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   in-group placement's (scheduler.flexfloor_placement): over length scenarios drawn from the
   history, the largest packing whose mean makespan stays within `slack` of the balanced split's
   and that holds the fewest group-seconds (a group is held until its last response).
-  cost (a policy.costs.StepCost): a group's finish in seconds, its lane-steps times the step
-  seconds of its rows (a packed group runs more rows per worker, each step reading more KV: in
-  steps packing is free, in seconds it is not); without, in lane-steps."""
+  cost (a policy.costs.StepCost): a group's finish is also judged in seconds, its run on the
+  predicted lengths simulated on the cost model (a packed group runs more rows per worker, each
+  step reading more KV: in steps packing is free, in seconds it is not), and the split held for
+  the fewest group-seconds among those on time in both units; without, in lane-steps."""
   if schedule == "static":
     return [list(map(int, g)) for g in np.array_split(np.arange(len(seqs)), groups)]
   # a group admits one sequence per worker per prefill step and every lane waits for it: each
@@ -136,22 +137,37 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   worlds = ([np.array([d[i] for i in range(len(seqs))], float) + prefill
              for d in prediction.sample_scenarios(history, idx, pred, num_scenarios, seed)]
             if len(history) else [pred])
-  # cached tokens of a live row, on average over its life: its prompt and half its response
-  row_ctx = np.array([s.prompt_len for s in seqs], float) + pred / 2
+  slots = max(1, lanes // ep)
+  group_s: dict[tuple[int, ...], float] = {}
 
-  def step_s(q) -> float:
-    """Seconds of one step of a group running the sequences q, at its mean rows per worker."""
-    if cost is None:
-      return 1.0
-    rows = min(lanes, len(q)) / ep
-    return cost.worker_step_seconds(np.full(ep, rows), np.full(ep, rows * row_ctx[q].mean()))
+  def seconds_of(q) -> float:
+    """Seconds of a group running the sequences q to their predicted ends: its balanced placement
+    on ep workers, simulated on `cost` (a packed group's steps run more rows per worker)."""
+    key = tuple(q)
+    if key not in group_s:
+      sub = [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(q)]
+      lengths = {j: int(max(1, round(float(pred[i]) - prefill))) for j, i in enumerate(q)}
+      queues = scheduler.balanced_placement(sub, [lengths[j] for j in range(len(q))],
+                                            list(range(ep)), slots)
+      pol = release_policy.ReleasePolicy(enabled=True, floor=ep, chain=list(range(ep)),
+                                         predicted=lengths, shared_queue=True, compaction=False,
+                                         swap=False)
+      group_s[key] = stepsim.simulate(sub, lengths, queues, pol, ep, slots,
+                                      cost=cost)["makespan_s"]
+    return group_s[key]
 
   def finishes(split):
     """[unit, scenario, group] finish of a split in lane-steps and in seconds (lane-steps again
     without `cost`); queues in split order."""
     steps = np.array([[release_policy.list_schedule_finish([], list(L[q]), lanes) if q else 0.0
                        for q in split] for L in worlds])
-    return np.stack([steps, steps * np.array([step_s(q) if q else 0.0 for q in split])])
+    if cost is None:
+      return np.stack([steps, steps])
+    # seconds: each group's run on the point predictions, scaled by the scenario's lane-steps
+    point = np.array([release_policy.list_schedule_finish([], list(pred[q]), lanes) if q else 1.0
+                      for q in split])
+    secs = np.array([seconds_of(q) if q else 0.0 for q in split])
+    return np.stack([steps, steps * (secs / point)])
 
   bal_split = [bal[g] for g in range(groups)]
   # on time in both units: the seconds estimate prices rows, the lane-steps keep the makespan

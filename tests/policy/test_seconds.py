@@ -235,11 +235,12 @@ def test_placement_spreads_rows_only_where_packing_costs_seconds(per_row, spread
 
 @pytest.mark.parametrize("per_row, spread", [(1.0, True), (0.0, False)])
 def test_group_split_spreads_rows_only_where_packing_costs_seconds(per_row, spread):
-  """Across groups: four responses of 30 tokens, two groups of one worker with four lanes.
-  Packed into one group, the other group goes at once (free in lane-steps); when rows cost
-  seconds, the packed group's steps are four times as long and it is late, so the split spreads."""
+  """Across groups: four responses of 100 tokens, two groups of one worker with four lanes.
+  Packed into one group, the other group goes at once (free in lane-steps; with free rows two
+  more prefill rounds, within the slack); when rows cost seconds, the packed group's steps are
+  four times as long and it is late, so the split spreads."""
   from flexfloor_jax.sim import cluster
-  s = seqs_of([30, 30, 30, 30])
+  s = [Seq(i, f"p{i}", 0, 4, 100, 128) for i in range(4)]
   hist = LengthHistory()
   hist.add_rollout(0, s, {x.seq_id: x.target_len for x in s})
   split = cluster.group_split(s, "flexfloor", hist, 2, 4, 1, 0.05, cost=HandCost(per_row))
