@@ -98,11 +98,15 @@ class PagePool:
 
   predicted: seq id -> predicted response length (for admission); margin: the safety margin on
   it (0.25 = reserve 25% more than predicted). max_pages_per_seq: the page table's width (default:
-  every page of the pool)."""
+  every page of the pool). page_ids=False (the simulator): pages are counted, not named, and
+  there are no page tables (a pool of tens of thousands of pages, sequences of a thousand
+  pages each, would spend its time handing out ids nobody reads); admission, growth, preemption
+  and moves decide the same."""
 
   def __init__(self, num_workers: int, num_pages: int, page_size: int, max_seqs: int,
                max_pages_per_seq: int | None = None, *,
-               predicted: Mapping[int, float] | None = None, margin: float = 0.25):
+               predicted: Mapping[int, float] | None = None, margin: float = 0.25,
+               page_ids: bool = True):
     if min(num_workers, num_pages, page_size, max_seqs) < 1 or margin < 0:
       raise ValueError(f'PagePool({num_workers}, {num_pages}, {page_size}, {max_seqs}, '
                        f'margin={margin}): sizes must be >= 1, margin >= 0')
@@ -117,7 +121,9 @@ class PagePool:
     # heap's top or _fresh[w] (a pool of tens of thousands of pages is not listed page by page)
     self._returned: list[list[int]] = [[] for _ in range(N)]
     self._fresh = [0] * N
-    self._tables = np.full((N, S, P), self.num_pages, np.int32)
+    self.page_ids = bool(page_ids)
+    self._used = [0] * N  # page_ids=False: pages in use per worker
+    self._tables = np.full((N, S, P) if page_ids else (N, S, 0), self.num_pages, np.int32)
     self._owned = np.zeros((N, S), np.int64)  # pages per row
     self._seq = np.full((N, S), -1, np.int64)  # seq id per row, -1 = free row
     self._limit = np.zeros((N, S), np.int64)  # prompt + max_new_tokens per row
@@ -133,6 +139,8 @@ class PagePool:
   # ---- reading ------------------------------------------------------------------------------
 
   def free_pages(self, w: int) -> int:
+    if not self.page_ids:
+      return self.num_pages - self._used[w]
     return len(self._returned[w]) + self.num_pages - self._fresh[w]
 
   def used_pages(self, w: int) -> int:
@@ -162,8 +170,14 @@ class PagePool:
                 pages_freed=self.freed)
 
   def check(self) -> None:
-    """Conservation on every worker: each page free or owned by exactly one row, never both."""
+    """Conservation on every worker: each page free or owned by exactly one row, never both
+    (page_ids=False: the rows own what the worker counts as used, no more than its pages)."""
     for w in range(self.num_workers):
+      if not self.page_ids:
+        if int(self._owned[w].sum()) != self._used[w] or self._used[w] > self.num_pages:
+          raise PagePoolError(f'worker {w}: rows own {int(self._owned[w].sum())} pages, '
+                              f'{self._used[w]} counted used of {self.num_pages}')
+        continue
       owned = [int(p) for s in range(self.max_seqs) for p in self._tables[w, s, :self._owned[w, s]]]
       pad = (self._tables[w] != self.num_pages).sum()
       free = self._returned[w] + list(range(self._fresh[w], self.num_pages))
@@ -207,13 +221,14 @@ class PagePool:
       raise PagePoolError(f'worker {w} row {slot}: {n} more pages, {self.free_pages(w)} free, '
                           f'{self._owned[w, slot]} owned of {self.max_pages_per_seq}')
     k = int(self._owned[w, slot])
-    for j in range(n):
+    for j in range(n if self.page_ids else 0):
       if self._returned[w]:
         self._tables[w, slot, k + j] = heapq.heappop(self._returned[w])
       else:
         self._tables[w, slot, k + j] = self._fresh[w]
         self._fresh[w] += 1
     self._owned[w, slot] = k + n
+    self._used[w] += n
     self.allocated += n
     self.peak_used[w] = max(self.peak_used[w], self.used_pages(w))
 
@@ -236,6 +251,7 @@ class PagePool:
     n = int(self._owned[w, slot])
     for p in self._tables[w, slot, :n]:
       heapq.heappush(self._returned[w], int(p))
+    self._used[w] -= n
     self._tables[w, slot] = self.num_pages
     self._owned[w, slot] = 0
     self._seq[w, slot] = -1

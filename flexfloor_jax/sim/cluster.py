@@ -72,7 +72,7 @@ def _group_job(job):
 
     def make_pool(pred):
       return PagePool(ep, num_pages, page_size, B, min(width, num_pages), predicted=pred,
-                      margin=margin)
+                      margin=margin, page_ids=False)
 
     kv = make_pool
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
@@ -226,7 +226,7 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
   and the move workspace on every device, which leaves fewer KV pages; a small floor releases
   more and holds fewer sequences at once. Each candidate (every feasible size that is a power of
   two, the smallest feasible one and ep) is replayed on the probe group with the predicted lengths
-  (never the actual ones) on the roofline; the pick holds the fewest occupied device-seconds
+  (never the actual ones) on the roofline, balanced's placement with releases down to it; the pick holds the fewest occupied device-seconds
   among those whose makespan is within `slack` of the floor at ep (no release: balanced's
   memory). Returns the pick, its pages and every candidate's terms."""
   row = max_seq_len * model.kv_bytes_per_token
@@ -245,8 +245,10 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
   for f in cands:
     pages = kv_pages(model, hw, expert_slots(model.experts, f), workspace if f < ep else 0,
                      page_size, memory_utilization)
+    # balanced's placement with release: a floor is judged by what releasing to it saves, not
+    # by a placement search per candidate (each search simulates hundreds of rollouts)
     m = _group_job(("flexfloor", guess, history, ep, max_seqs, f, model, hw, steps_per_dispatch,
-                    epoch, None, slack, ctx, "auto", (pages, page_size, margin)))
+                    epoch, None, slack, ctx, "balanced", (pages, page_size, margin)))
     rows.append(dict(floor=f, expert_slots=expert_slots(model.experts, f), pages=pages,
                      workspace_bytes=workspace if f < ep else 0,
                      predicted_makespan_s=m["generation_wall_s"],

@@ -247,3 +247,22 @@ def test_makespan_lower_bound_holds_on_simulated_runs(seed):
     assert m['makespan_steps'] >= max(lb['rows'], lb['pages'])  # with preemptions too
     if m['kv']['preemptions'] == 0:  # 'longest' assumes the longest is not preempted
       assert m['makespan_steps'] >= lb['longest']
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_counting_pages_decides_as_naming_them(seed):
+  """page_ids=False (the simulator's pools) admits, grows, preempts and finishes exactly as a pool
+  that hands out page ids, with the same page counts, and stays conserved."""
+  rng = np.random.default_rng(seed)
+  N, M = 3, 6
+  seqs = mkseqs(rng.integers(1, 60, size=29))
+  pred = {s.seq_id: float(rng.integers(2, 40)) for s in seqs}
+  runs = []
+  for ids in (True, False):
+    pool = PagePool(N, 24, 8, M, predicted=pred, margin=0.0, page_ids=ids)
+    rec, _ = run_paged(seqs, scheduler.static_placement(seqs, list(range(N))), N, pool)
+    pool.check()
+    runs.append((rec.metrics(), pool.stats(), pool.preemptions,
+                 {q: (f.worker, f.num_tokens) for q, f in rec.finishes.items()}))
+  assert runs[0] == runs[1]
+  assert runs[0][1]['preemptions'] > 0
