@@ -226,9 +226,10 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
   and the move workspace on every device, which leaves fewer KV pages; a small floor releases
   more and holds fewer sequences at once. Each candidate (every feasible size that is a power of
   two, the smallest feasible one and ep) is replayed on the probe group with the predicted lengths
-  (never the actual ones) on the roofline, balanced's placement with releases down to it; the pick holds the fewest occupied device-seconds
-  among those whose makespan is within `slack` of the floor at ep (no release: balanced's
-  memory). Returns the pick, its pages and every candidate's terms."""
+  (never the actual ones) on the roofline, balanced's placement with releases down to it; the
+  pick holds the fewest occupied device-seconds among those whose makespan is within `slack` of
+  the floor at ep (no release: balanced's memory). Returns the pick, its pages and every
+  candidate's terms."""
   row = max_seq_len * model.kv_bytes_per_token
   workspace = 2 * model.expert_bytes + 2 * row  # engine.memory.floor_terms: in-flight moves
   pred = prediction.predict(history, probe)
