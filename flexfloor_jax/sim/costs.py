@@ -13,8 +13,9 @@ Roofline (`RooflineCost`), one SPMD step on an EP group of n active workers:
 Memory/compute of a worker overlap (max); the all_to_all does not overlap them (sum): in a decode
 step the expert matmul of a layer needs its dispatched tokens and the next layer needs the
 combined output, so nothing is left to hide it behind. The slowest worker gates the SPMD step
-(max over workers). A release costs the moved experts' bytes over the interconnect, a migration
-its KV bytes.
+(max over workers). A release costs a switch and barrier (`release_latency_s`) and the moved
+experts' bytes point to point (`p2p_bw`, what one device achieves to one other, not the link's
+aggregate), spread over the survivors; a migration its KV bytes point to point.
 
 `cpu` hardware (`LinearCost`): fitted by least squares to the measured timelines of one workload
 (`fit_cpu`; its static and flexfloor rollouts): decode dispatch seconds ~ dispatch + steps +
@@ -68,11 +69,20 @@ class RooflineCost:
       t += float(a2a.max()) / hw.link_bw + 2 * m.layers * hw.collective_latency_s
     return t
 
-  def migrate_seconds(self, kv_bytes: float) -> float:
-    return self.hw.step_overhead_s + kv_bytes / self.hw.link_bw
+  @property
+  def p2p_bw(self) -> float:
+    return self.hw.p2p_bw or self.hw.link_bw
 
-  def shrink_seconds(self, expert_moves: int) -> float:
-    return self.hw.step_overhead_s + expert_moves * self.model.expert_bytes / self.hw.link_bw
+  def migrate_seconds(self, kv_bytes: float) -> float:
+    """A migration round: the KV bytes point to point (one source's rows to their destinations,
+    at worst one pair at a time), after a launch."""
+    return self.hw.step_overhead_s + kv_bytes / self.p2p_bw
+
+  def shrink_seconds(self, expert_moves: int, survivors: int = 1) -> float:
+    """A release: the switch and barrier, then the moved experts point to point; the moves spread
+    over the survivors, each receiving ceil(moves / survivors) experts one after the other."""
+    per_device = -(-int(expert_moves) // max(1, int(survivors)))
+    return self.hw.release_latency_s + per_device * self.model.expert_bytes / self.p2p_bw
 
 
 class RooflineStepCost:

@@ -25,6 +25,11 @@ class Hardware:
   peak_flops: float  # dense bf16 FLOP/s per device
   step_overhead_s: float = 20e-6  # launch + host sync per step (assumption, not a published figure)
   collective_latency_s: float = 5e-6  # per all_to_all (assumption, not a published figure)
+  # a release: experts and KV rows move point to point, at what one device achieves sending to
+  # one other (not the link's aggregate over every peer), after a switch of compiled executables
+  # and a barrier over the group
+  p2p_bw: float = 0.0  # bytes/s, one device to one other; 0 = link_bw
+  release_latency_s: float = 1e-3  # switch + barrier per release (assumption, not published)
   source: str = ""
   # --hardware=measured:FILE: measured decode-step times per worker (sim/measured_hw.py)
   step_table: StepTable | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -33,20 +38,24 @@ class Hardware:
 HARDWARE = {
     # cloud.google.com/tpu/docs/v5e: 16 GiB HBM2 at 819 GB/s, ICI 1,600 Gbps per chip (= 200 GB/s),
     # 197 TFLOP/s bf16.
-    "tpu-v5e": Hardware("tpu-v5e", 819 * GB, 16 * GIB, 200 * GB, 197e12,
+    # point to point: one of the chip's 4 ICI links (1,600 Gbps / 4 = 50 GB/s; an assumption)
+    "tpu-v5e": Hardware("tpu-v5e", 819 * GB, 16 * GIB, 200 * GB, 197e12, p2p_bw=50 * GB,
                         source="cloud.google.com/tpu/docs/v5e"),
     # cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e at 2,765 GB/s, ICI 4,800 Gbps per chip
     # (= 600 GB/s; the page also lists 1,200 GB/s bidirectional), 459 TFLOP/s bf16.
-    "tpu-v5p": Hardware("tpu-v5p", 2765 * GB, 95 * GIB, 600 * GB, 459e12,
+    # point to point: one of the chip's 6 ICI links (4,800 Gbps / 6 = 100 GB/s; an assumption)
+    "tpu-v5p": Hardware("tpu-v5p", 2765 * GB, 95 * GIB, 600 * GB, 459e12, p2p_bw=100 * GB,
                         source="cloud.google.com/tpu/docs/v5p"),
     # NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100): 80 GB HBM3 at 3.35 TB/s,
     # NVLink 900 GB/s bidirectional (450 GB/s each way), 989 TFLOP/s dense bf16. An EP group of 8
     # is one NVLink/NVSwitch node.
-    "h100": Hardware("h100", 3350 * GB, 80 * GB, 450 * GB, 989e12,
+    # point to point: 80% of one direction's NVLink through the switch (an assumption, not
+    # a published figure)
+    "h100": Hardware("h100", 3350 * GB, 80 * GB, 450 * GB, 989e12, p2p_bw=360 * GB,
                      source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e at 4.8 TB/s,
     # NVLink 900 GB/s bidirectional, same GH100 compute as H100 (989 TFLOP/s dense bf16).
-    "h200": Hardware("h200", 4800 * GB, 141 * GB, 450 * GB, 989e12,
+    "h200": Hardware("h200", 4800 * GB, 141 * GB, 450 * GB, 989e12, p2p_bw=360 * GB,
                      source="NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
 }
 

@@ -106,7 +106,7 @@ class CostExecutor(stepsim.SimExecutor):
     if isinstance(self.cost, LinearCost):
       s = self.cost.release
     elif self.cost is not None:
-      s = self.cost.shrink_seconds(stats["expert_moves"])
+      s = self.cost.shrink_seconds(stats["expert_moves"], len(new_active))
     else:
       s = 0.0
     stats["seconds"] = float(s)
