@@ -31,12 +31,14 @@ class StepCost(Protocol):
     ...
 
 
-def dispatch_seconds(cost: StepCost, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int) -> float:
+def dispatch_seconds(step, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int) -> float:
   """Seconds of `steps` decode steps of one dispatch, summed in closed form over the intervals in
   which no row finishes: rem_wb, ctx_wb [active workers, rows]: tokens each live row still makes
-  and the tokens it has cached (0 where a row is free). Within an interval the live rows are
-  fixed and their cached tokens grow by one a step, so a worker's KV read is linear in the step:
-  the interval is priced at its middle step, exact where one worker gates the whole interval."""
+  and the tokens it has cached (0 where a row is free); step(rows_w, kv_w) -> seconds of one step
+  (a StepCost's worker_step_seconds). Within an interval the live rows are fixed and their cached
+  tokens grow by one a step, so a worker's KV read is linear in the step: the interval is priced
+  at its middle step, exact where one worker gates the whole interval with one bound (memory or
+  compute)."""
   rem_wb = np.asarray(rem_wb, float)
   live0 = rem_wb > 0
   ends = np.unique(np.minimum(rem_wb[live0], steps))
@@ -46,8 +48,7 @@ def dispatch_seconds(cost: StepCost, rem_wb: np.ndarray, ctx_wb: np.ndarray, ste
       continue
     live = rem_wb > a
     mid = (a + b - 1) / 2.0
-    total += (b - a) * cost.worker_step_seconds(live.sum(1).astype(float),
-                                                ((ctx_wb + mid) * live).sum(1))
+    total += (b - a) * step(live.sum(1).astype(float), ((ctx_wb + mid) * live).sum(1))
     a = b
   return total
 

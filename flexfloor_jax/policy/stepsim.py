@@ -126,7 +126,7 @@ class SimExecutor:
       ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
                        for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
                       for w in self._active], float)
-      self.t += costs.dispatch_seconds(self.time_model, rem, ctx, k)
+      self.t += costs.dispatch_seconds(self.time_model.worker_step_seconds, rem, ctx, k)
     elif self.step_cost is not None:
       rems = [r for w in self._active
               for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0]

@@ -111,7 +111,7 @@ def rl_step_seconds(groups: list[dict], model: Model, hw: Hardware, floor: int,
 
 def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int, ep: int,
                 slack: float = 0.05, *, num_scenarios: int = 8, num_candidates: int = 16,
-                seed: int = 0, cost=None) -> list[list[int]]:
+                seed: int = 0, cost=None, steps_per_dispatch: int = 8) -> list[list[int]]:
   """Which sequences each EP group serves (indices into `seqs`).
   static: verl's contiguous data-parallel chunks. balanced: longest predicted first onto the group
   whose list-scheduled finish (over its ep x slots lanes) grows least. flexfloor: packed from the
@@ -152,7 +152,7 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
       pol = release_policy.ReleasePolicy(enabled=True, floor=ep, chain=list(range(ep)),
                                          predicted=lengths, shared_queue=True, compaction=False,
                                          swap=False)
-      group_s[key] = stepsim.simulate(sub, lengths, queues, pol, ep, slots,
+      group_s[key] = stepsim.simulate(sub, lengths, queues, pol, ep, slots, steps_per_dispatch,
                                       cost=cost)["makespan_s"]
     return group_s[key]
 
@@ -361,7 +361,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
     ss, hh = (oracle, known) if label.startswith("oracle_") else (seqs, hist)
     extra = (paged[sched],) if paged else ()
     for g in group_split(ss, sched, hh, devices // ep, ep * lanes_per_worker, ep,
-                         makespan_slack, seed=last, cost=RooflineStepCost(model, hw, ctx)):
+                         makespan_slack, seed=last, cost=RooflineStepCost(model, hw, ctx),
+                         steps_per_dispatch=steps_per_dispatch):
       if not g:  # a group given no work is released before the first step
         continue
       labels.append(label)

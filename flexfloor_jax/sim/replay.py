@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from flexfloor_jax.policy import controller, plan, stepsim
+from flexfloor_jax.policy import controller, costs, plan, stepsim
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.floor import preallocated_slots
@@ -87,10 +87,9 @@ class CostExecutor(stepsim.SimExecutor):
       n, S = len(held), self._expert_slots()
       self.t += (c.decode_dispatch + k * c.decode_step + k * n * c.decode_step_worker
                  + k * n * S * c.decode_step_worker_slot + slot_steps * c.decode_slot_step)
-    else:
-      for j in range(k):
-        live = rem > j
-        self.t += c.step_seconds(held, live.sum(1).astype(float), ((ctx + j) * live).sum(1))
+    else:  # closed form over the intervals in which no row finishes
+      self.t += costs.dispatch_seconds(lambda rows, kv: c.step_seconds(held, rows, kv), rem, ctx,
+                                       k)
     return k, out
 
   def migrate(self, moves):

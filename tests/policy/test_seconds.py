@@ -245,3 +245,21 @@ def test_group_split_spreads_rows_only_where_packing_costs_seconds(per_row, spre
   hist.add_rollout(0, s, {x.seq_id: x.target_len for x in s})
   split = cluster.group_split(s, "flexfloor", hist, 2, 4, 1, 0.05, cost=HandCost(per_row))
   assert sorted(len(g) for g in split) == ([2, 2] if spread else [0, 4])
+
+
+def test_dispatch_seconds_equal_the_sum_of_steps_where_a_step_is_linear():
+  """A dispatch priced interval by interval at the middle step equals the step-by-step sum when a
+  step's seconds are linear in the gating worker's cached tokens (here one worker gates: it holds
+  the most rows and tokens throughout), whatever the finishes inside the dispatch."""
+  import numpy as np
+  rng = np.random.default_rng(5)
+  rem = rng.integers(0, 40, (3, 4)).astype(float)
+  rem[0] = [40, 38, 39, 40]  # worker 0 runs longest and holds the most
+  ctx = np.where(rem > 0, rng.integers(10, 50, (3, 4)) + 1000 * (np.arange(3) == 0)[:, None], 0)
+
+  def step(rows_w, kv_w):
+    return 0.5 + 0.01 * float(np.max(kv_w)) + 0.2 * float(np.max(rows_w))
+
+  k = 35
+  want = sum(step((rem > j).sum(1), ((ctx + j) * (rem > j)).sum(1)) for j in range(k))
+  assert costs.dispatch_seconds(step, rem, ctx, k) == pytest.approx(want, rel=1e-12)
