@@ -2,7 +2,7 @@
 
 Every field of configs/mixtral.py's tiny preset (the same workload parameters, slots per worker
 and cache length: the bench measures the main job, it does not retune it), plus the bench's own:
-output_dir, epochs, repeats, release_only, roofline_hardware. Override any
+output_dir, epochs, repeats, release_only, cost_model. Override any
 field with --config.section.field=value.
 """
 
@@ -25,5 +25,9 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   c.epochs = 4  # epochs 0..epochs-1; the length history grows from one epoch to the next
   c.repeats = 1  # runs of each schedule per epoch (machine noise shows in the wall-clock figures)
   c.release_only = True  # also the static placement with release alone, and with compaction
-  c.roofline_hardware = "tpu-v5e"  # sim hardware preset for the roofline-weighted device-time
+  # The step cost model every run's timeline is replayed on: the roofline of a named full-size
+  # model and hardware pair (the tiny model stands for it), 'roofline:MODEL@HARDWARE' of the
+  # simulator's presets. Emulated CPU devices share the host's cores: their wall time says
+  # nothing about an accelerator's, so the headline is in these seconds.
+  c.cost_model = "roofline:mixtral-8x7b@h100"
   return c

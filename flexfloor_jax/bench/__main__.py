@@ -1,15 +1,16 @@
 """Side-by-side benchmark: `python -m flexfloor_jax.bench --config=configs/bench.py`.
 
 Runs static, balanced, FlexFloor, release alone and release + compaction on the same prompts for
-each epoch (flexfloor_jax/bench/runs.py). Printed: one table (per epoch and schedule the measures
-of summary.json, then the flexfloor/static ratios with the paper's 1.654, static makespan / each
-schedule's makespan, the bound: a perfect-knowledge balanced placement of the actual lengths with
-release, in the step simulator, the release-only ratio against its ceiling
-1 / (1 - static idle_after_finish_fraction), and a roofline-weighted device-time ratio: each run
-replayed through the simulator (flexfloor_jax.sim, same policy code, same device_steps) with every
-step costed by the roofline for this model on `roofline_hardware`). Written to output_dir:
-bench.json, bench.png and runs/<schedule>_e<k>.json (each run's sequences, lengths, history and
-timeline: what `python -m flexfloor_jax.sim --calibrate=... --predict=...` reads).
+each epoch (flexfloor_jax/bench/runs.py). Every run's timeline is replayed through the simulator
+(flexfloor_jax.sim: the same policy code, the same device_steps) on the named cost model
+(`cost_model`, the roofline of a full-size model and hardware pair the tiny model stands for,
+releases and migrations charged): the headline is in its seconds (tokens per occupied
+device-second, makespan; flexfloor over static and over balanced), beside the lower bound of
+those seconds for the epoch's lengths. Device-steps follow as counts, with the oracle policy (a
+balanced placement told the actual lengths, with release) and release alone against its ceiling
+1 / (1 - static idle_after_finish_fraction). Written to output_dir: bench.json, bench.png and
+runs/<schedule>_e<k>.json (each run's sequences, lengths, history and timeline: what
+`python -m flexfloor_jax.sim --calibrate=... --predict=...` reads).
 """
 
 from __future__ import annotations

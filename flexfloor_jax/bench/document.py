@@ -8,7 +8,11 @@ import time
 
 from flexfloor_jax.policy import release_policy, scheduler, stepsim
 from flexfloor_jax.policy.accounting import jsonable
+from flexfloor_jax.policy.floor import floor_workers
 from flexfloor_jax.rollout import kv_pool
+from flexfloor_jax.sim import bounds
+from flexfloor_jax.sim.costs import RooflineStepCost
+from flexfloor_jax.sim.presets import parse_cost_model
 from flexfloor_jax.sim.records import calibrate_and_predict
 
 PAPER_TOKENS_PER_DEVICE_TIME = 1.654  # +65.4% response tokens per occupied device time
@@ -45,11 +49,12 @@ def pool_factory(c, summary: dict):
   return kv_pool.pool_factory(c.rollout, summary["num_workers"], summary["max_seq_len"])
 
 
-def bound(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> dict:
-  """The bound a workload sets: the balanced placement of the *actual* lengths (perfect
-  knowledge) with release and the shared queue, in the step simulator (the engine's own steps for
-  the same lengths), at flexfloor's floor and release sizes. `kv`: paged KV, the runs' pool
-  factory (the bound runs on the same pool, admitting by the actual lengths)."""
+def oracle_policy(seqs, ff_result, static: dict, steps_per_dispatch: int, kv=None) -> dict:
+  """The oracle policy (not a bound: a heuristic told the answers, which a schedule can beat):
+  the balanced placement of the *actual* lengths with release and the shared queue, in the step
+  simulator (the engine's own steps for the same lengths), at flexfloor's floor and release
+  sizes. `kv`: paged KV, the runs' pool factory (it runs on the same pool, admitting by the
+  actual lengths)."""
   s = ff_result.summary
   lengths = {q: f.num_tokens for q, f in ff_result.record.finishes.items()}
   by_id = {x.seq_id: x for x in seqs}
@@ -99,9 +104,11 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
   if paged(ff_s):
     ep["kv_pool"] = same_pool(ep, names)
   kv = pool_factory(ff_c, ff_s)
-  ep["bound"] = bound(seqs, runs["flexfloor"][0][1], st, ff_c.rollout.steps_per_dispatch, kv=kv)
+  ep["oracle_policy"] = oracle_policy(seqs, runs["flexfloor"][0][1], st,
+                                      ff_c.rollout.steps_per_dispatch, kv=kv)
   ep["makespan_speedup"] = {n: st["makespan_steps"] / ep[n]["makespan_steps"]
-                            for n in names + ["bound"] if ep.get(n, {}).get("makespan_steps")}
+                            for n in names + ["oracle_policy"]
+                            if ep.get(n, {}).get("makespan_steps")}
   if "release_only" in ep:
     ep["ratio_release_only"] = ratios(ep["release_only"], st)
     ceil = 1.0 / (1.0 - st["idle_after_finish_fraction"])
@@ -111,6 +118,41 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
     ep["ratio_release_compaction"] = ratios(ep["release_compaction"], st)
     ep["release_compaction_of_ceiling"] = (
         ep["ratio_release_compaction"]["tokens_per_device_step"] / ep["release_only_ceiling"])
+
+
+SECONDS = ("tokens_per_occupied_device_second", "throughput_tokens_per_s")
+
+
+def add_seconds(ep: dict, names: list[str], seqs, static_result, model, hw) -> None:
+  """Into one epoch's entry: the headline ratios in the cost model's seconds
+  (ratios.flexfloor_static and ratios.flexfloor_balanced: tokens per occupied device-second and
+  throughput), and the lower bound of those seconds for these lengths (sim.bounds), which no run
+  may beat (AssertionError otherwise)."""
+  st, ff, bal = ep["static"], ep["flexfloor"], ep["balanced"]
+
+  def pair(a, b):
+    return {"tokens_per_occupied_device_second": a["tokens_per_occupied_device_second"]
+            / b["tokens_per_occupied_device_second"],
+            "throughput": a["throughput_tokens_per_s"] / b["throughput_tokens_per_s"]}
+
+  ep["ratios"] = {"flexfloor_static": pair(ff, st), "flexfloor_balanced": pair(ff, bal)}
+  s = static_result.summary
+  by_id = {x.seq_id: x for x in seqs}
+  lengths = {q: f.num_tokens for q, f in static_result.record.finishes.items()}
+  ctx = sum(x.prompt_len + lengths[q] / 2 for q, x in by_id.items()) / len(by_id)
+  b = bounds.lower_bound(
+      [lengths[q] for q in by_id], [x.prompt_len for x in by_id.values()],
+      RooflineStepCost(model, hw, ctx), max_workers=s["num_workers"], max_seqs=lanes(s),
+      min_workers=floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, 0,
+                                int(hw.hbm_bytes), s["num_workers"]))
+  ep["bound"] = b
+  for n in names:
+    m = ep[n]
+    if (m["makespan_s"] < b["makespan_s"] * (1 - 1e-9)
+        or m["occupied_device_seconds"] < b["occupied_device_seconds"] * (1 - 1e-9)):
+      raise AssertionError(f"epoch {ep['epoch']}: {n} beats the lower bound: "
+                           f"{m['makespan_s']} s, {m['occupied_device_seconds']} device-s "
+                           f"against {b}")
 
 
 def calibrate(records: dict) -> dict | None:
@@ -124,14 +166,17 @@ def calibrate(records: dict) -> dict | None:
   return calibrate_and_predict(fit, held)
 
 
-def make_document(config, epochs: list[dict], records: dict, hw, model, pool,
+def make_document(config, epochs: list[dict], records: dict, cost_model: str, pool,
                   t_start: float) -> dict:
-  """bench.json: the config, the paper's ratios, the roofline used, every epoch's entry, the
-  calibration, the step cache's hits and the bench's seconds since `t_start` (perf_counter)."""
+  """bench.json: the config, the paper's ratios, the cost model every run was replayed on, every
+  epoch's entry, the calibration, the step cache's hits and the bench's seconds since `t_start`
+  (perf_counter)."""
+  model, hw = parse_cost_model(cost_model)
   doc = {"config": config.to_dict(), "paper": {"tokens_per_device_time_ratio":
                                                PAPER_TOKENS_PER_DEVICE_TIME,
                                                "throughput_ratio": PAPER_THROUGHPUT},
-         "roofline": {"hardware": hw.name, "model": dataclasses.asdict(model), "source": hw.source},
+         "cost_model": {"name": cost_model, "model": dataclasses.asdict(model),
+                        "hardware": hw.name, "source": hw.source},
          "epochs": epochs, "calibration": calibrate(records),
          "step_cache": {"hits": pool.hits, "misses": pool.misses},
          "bench_seconds": time.perf_counter() - t_start}

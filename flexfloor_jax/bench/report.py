@@ -11,16 +11,20 @@ from flexfloor_jax.io import output_dir
 from flexfloor_jax.policy import accounting
 
 RELEASE_ONLY_TARGET = 0.9  # release alone should recover at least this share of its ceiling
-TABLE = (("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "makespan", ".0f"),
+# The headline is in the named cost model's seconds (every run's timeline replayed on it);
+# device-steps follow as counts
+TABLE = (("tokens_per_occupied_device_second", "tok/occ-dev-s", ".1f"),
+         ("makespan_s", "makespan s", ".4f"),
+         ("tokens_per_device_step", "tok/dev-step", ".3f"), ("makespan_steps", "steps", ".0f"),
          ("slot_utilization", "slot util", ".3f"),
          ("idle_after_finish_fraction", "idle after fin", ".3f"),
-         ("device_steps", "dev-steps", ".0f"), ("throughput_tokens_per_s", "tokens/s", ".1f"),
-         ("mean_reward", "reward", ".3f"))
+         ("device_steps", "dev-steps", ".0f"), ("mean_reward", "reward", ".3f"))
 
 
 # paged KV (rollout.kv='paged'): the pool's columns, after the others
 KV_TABLE = (("kv_pool_bytes", "pool B/worker", "d"), ("kv_pages", "pages", "d"),
             ("kv_peak_pages", "peak pages", "d"), ("preemptions", "preempt", "d"))
+SCHEDULES = ("static", "balanced", "flexfloor", "release_only", "release_compaction")
 
 
 def is_paged(doc: dict) -> bool:
@@ -28,11 +32,9 @@ def is_paged(doc: dict) -> bool:
 
 
 def format_table(doc: dict) -> str:
-  hw = doc["roofline"]["hardware"]
   paged = is_paged(doc)
-  cols = [("epoch", 5), ("run", 25)] + [(h, 20 if i == 0 else max(len(h), 9))
-                                       for i, (_, h, _) in enumerate(TABLE)] + [
-      (f"roofline dev-time ({hw})", 24), ("ceiling", 8), ("of ceiling", 10)] + (
+  cols = [("epoch", 5), ("run", 22)] + [(h, max(len(h), 9)) for _, h, _ in TABLE] + [
+      ("ceiling", 8), ("of ceiling", 10)] + (
       [(h, max(len(h), 7)) for _, h, _ in KV_TABLE] if paged else [])
   # rows without the pool's columns get dashes there (nothing to add with fixed slots)
 
@@ -40,7 +42,9 @@ def format_table(doc: dict) -> str:
     return " ".join(f"{v:>{w}}" for v, (_, w) in zip(
         list(vals) + ["-"] * (len(cols) - len(vals)), cols, strict=True))
 
-  lines = [fmt_row([c for c, _ in cols])]
+  lines = [f"seconds: {doc['cost_model']['name']} (every run's timeline replayed on it, releases "
+           f"and migrations charged); device-steps: counts",
+           fmt_row([c for c, _ in cols])]
   dash = "-"
 
   def cell(m, key, f):
@@ -49,34 +53,37 @@ def format_table(doc: dict) -> str:
 
   for ep in doc["epochs"]:
     k = ep["epoch"]
-    for name in ("static", "balanced", "flexfloor", "release_only", "release_compaction"):
+    for name in SCHEDULES:
       if name in ep:
         m = ep[name]
         lines.append(fmt_row([k, name] + [cell(m, key, f) for key, _, f in TABLE]
-                             + [format(m["roofline_tokens_per_device_second"], ".4g") +
-                                " tok/dev-s", dash, dash]
+                             + [dash, dash]
                              + ([cell(m, key, f) for key, _, f in KV_TABLE] if paged else [])))
-    bd = ep["bound"]
-    lines.append(fmt_row([k, "bound (actual lengths)", format(bd["tokens_per_device_step"], ".3f"),
-                          format(bd["makespan_steps"], ".0f")] + [dash] * (len(TABLE) - 2)
-                         + [dash, dash, dash]))
+    bd, op = ep["bound"], ep["oracle_policy"]
+    tokens = ep["static"]["generated_tokens"]
+    lines.append(fmt_row([k, "lower bound", format(tokens / bd["occupied_device_seconds"], ".1f"),
+                          format(bd["makespan_s"], ".4f")] + [dash] * (len(TABLE) - 2)))
+    lines.append(fmt_row([k, "oracle policy", dash, dash,
+                          format(op["tokens_per_device_step"], ".3f"),
+                          format(op["makespan_steps"], ".0f")]))
     sp = ep["makespan_speedup"]
+    for label, r in (("flexfloor/static", ep["ratios"]["flexfloor_static"]),
+                     ("flexfloor/balanced", ep["ratios"]["flexfloor_balanced"])):
+      tp = f"{r['tokens_per_occupied_device_second']:.3f}" + (
+          f" (paper {PAPER_TOKENS_PER_DEVICE_TIME})" if label == "flexfloor/static" else "")
+      lines.append(fmt_row([k, label, tp, f"x{r['throughput']:.3f} faster"]))
     for name, r in (("balanced", ep["ratio_balanced"]), ("flexfloor", ep["ratio"])):
-      tp = f"{r['tokens_per_device_step']:.3f}" + (
-          f" (paper {PAPER_TOKENS_PER_DEVICE_TIME})" if name == "flexfloor" else "")
-      lines.append(fmt_row([k, f"{name}/static", tp, f"x{sp[name]:.2f} faster"] + [
-          cell(r, key, ".3f") for key, _, _ in TABLE[2:]]
-          + [cell(r, "roofline_tokens_per_device_second", ".3f"), dash, dash]))
-    lines.append(fmt_row([k, "bound/static", format(bd["ratio_tokens_per_device_step"], ".3f"),
-                          f"x{sp['bound']:.2f} faster"] + [dash] * (len(TABLE) - 2)
-                         + [dash, dash, dash]))
+      lines.append(fmt_row([k, f"steps {name}/static", dash, dash,
+                            format(r["tokens_per_device_step"], ".3f"),
+                            f"x{sp[name]:.2f} faster"]
+                           + [cell(r, key, ".3f") for key, _, _ in TABLE[4:]]))
     for name in ("release_only", "release_compaction"):  # placement unchanged: vs the ceiling
       if f"ratio_{name}" in ep:
         r = ep[f"ratio_{name}"]
-        lines.append(fmt_row([k, f"{name}/static", format(r["tokens_per_device_step"], ".3f")]
-                             + [cell(r, key, ".3f") for key, _, _ in TABLE[1:]]
-                             + [cell(r, "roofline_tokens_per_device_second", ".3f"),
-                                format(ep["release_only_ceiling"], ".3f"),
+        lines.append(fmt_row([k, f"{name}/static", cell(r, TABLE[0][0], ".3f"), dash,
+                              format(r["tokens_per_device_step"], ".3f")]
+                             + [cell(r, key, ".3f") for key, _, _ in TABLE[3:]]
+                             + [format(ep["release_only_ceiling"], ".3f"),
                                 format(ep[f"{name}_of_ceiling"], ".3f")]))
   return "\n".join(lines)
 
@@ -89,20 +96,22 @@ def summary_lines(doc: dict) -> list[str]:
   def fmt(xs):
     return ", ".join(f"{x:.3f}" for x in xs)
 
-  r = [e["ratio"]["tokens_per_device_step"] for e in eps]
-  rb = [e["bound"]["ratio_tokens_per_device_step"] for e in eps]
-  ms = [e["makespan_speedup"]["flexfloor"] for e in eps]
-  mb = [e["makespan_speedup"]["bound"] for e in eps]
-  fb = [e["flexfloor_over_balanced"]["tokens_per_device_step"] for e in eps]
-  mfb = [e["flexfloor"]["makespan_steps"] / e["balanced"]["makespan_steps"] for e in eps]
   slack = doc["config"]["scheduler"].get("makespan_slack", 0.05)
-  t = [e["ratio"]["throughput_tokens_per_s"] for e in eps]
-  out.append(f"epochs {ks}: flexfloor/static tokens_per_device_step {fmt(r)} (target >= 1.65, "
-             f"paper {PAPER_TOKENS_PER_DEVICE_TIME}; bound {fmt(rb)})")
-  out.append(f"epochs {ks}: static/flexfloor makespan (steps) {fmt(ms)} (target >= 1.5; bound "
-             f"{fmt(mb)}); wall throughput ratio {fmt(t)} (paper {PAPER_THROUGHPUT})")
-  out.append(f"epochs {ks}: flexfloor/balanced tokens_per_device_step {fmt(fb)} (target > 1); "
-             f"flexfloor/balanced makespan {fmt(mfb)} (target <= {1 + slack:.2f})")
+  fs = [e["ratios"]["flexfloor_static"] for e in eps]
+  fb = [e["ratios"]["flexfloor_balanced"] for e in eps]
+  out.append(f"epochs {ks}, {doc['cost_model']['name']} seconds: flexfloor/static tokens per "
+             f"occupied device-second {fmt(r['tokens_per_occupied_device_second'] for r in fs)} "
+             f"(paper {PAPER_TOKENS_PER_DEVICE_TIME}), throughput "
+             f"{fmt(r['throughput'] for r in fs)} (paper {PAPER_THROUGHPUT})")
+  out.append(f"epochs {ks}, {doc['cost_model']['name']} seconds: flexfloor/balanced tokens per "
+             f"occupied device-second {fmt(r['tokens_per_occupied_device_second'] for r in fb)} "
+             f"(target > 1), balanced/flexfloor makespan {fmt(r['throughput'] for r in fb)} "
+             f"(target >= {1 / (1 + slack):.3f})")
+  r = [e["ratio"]["tokens_per_device_step"] for e in eps]
+  ro = [e["oracle_policy"]["ratio_tokens_per_device_step"] for e in eps]
+  ms = [e["makespan_speedup"]["flexfloor"] for e in eps]
+  out.append(f"epochs {ks}, device-steps (a count): flexfloor/static tokens_per_device_step "
+             f"{fmt(r)} (oracle policy {fmt(ro)}); static/flexfloor makespan (steps) {fmt(ms)}")
   if all("release_only_of_ceiling" in e for e in doc["epochs"]):
     q = [e["release_only_of_ceiling"] for e in doc["epochs"]]
     out.append(f"release-only / ceiling per epoch: {', '.join(f'{x:.3f}' for x in q)} "
@@ -178,12 +187,13 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
   a.set_title(f"epoch {last}: active workers")
   a.legend()
   ks = [e["epoch"] for e in doc["epochs"]]
-  b.plot(ks, [e["ratio"]["tokens_per_device_step"] for e in doc["epochs"]], "o-",
-         label="flexfloor/static tokens/device-step")
-  b.plot(ks, [e["ratio"]["throughput_tokens_per_s"] for e in doc["epochs"]], "s-",
-         label="flexfloor/static throughput")
-  b.plot(ks, [e["ratio"]["roofline_tokens_per_device_second"] for e in doc["epochs"]], "^-",
-         label=f"roofline device-time ({doc['roofline']['hardware']})")
+  name = doc["cost_model"]["name"]
+  b.plot(ks, [e["ratios"]["flexfloor_static"]["tokens_per_occupied_device_second"]
+              for e in doc["epochs"]], "o-", label=f"flexfloor/static tok/occ-dev-s ({name})")
+  b.plot(ks, [e["ratios"]["flexfloor_static"]["throughput"] for e in doc["epochs"]], "s-",
+         label=f"flexfloor/static throughput ({name})")
+  b.plot(ks, [e["ratio"]["tokens_per_device_step"] for e in doc["epochs"]], "^:",
+         label="flexfloor/static tokens/device-step (count)")
   if all("ratio_release_only" in e for e in doc["epochs"]):
     b.plot(ks, [e["ratio_release_only"]["tokens_per_device_step"] for e in doc["epochs"]], "d--",
            label="release only / static")

@@ -129,12 +129,24 @@ def kv_spec(c, summary: dict) -> dict | None:
               max_seq_len=summary["max_seq_len"])
 
 
+# summary.json's seconds on emulated CPU devices are the host's: kept under host_*, while the
+# bench's own keys of these names are in the named cost model's seconds
+HOST_SECONDS = ("occupied_device_seconds", "makespan_s", "throughput_tokens_per_s",
+                "generation_wall_s", "tokens_per_occupied_device_second")
+
+
 def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
-  """One run's measures (its summary's numbers, the simulator's device_steps for the same lengths,
-  the roofline's device time) and the lengths it produced. Paged KV: the replays run on a pool
-  built as the run's, so its peak pages and preemptions are checked too (sim_kv_*)."""
+  """One run's measures and the lengths it produced: its summary's counts (the host's seconds as
+  host_*), the simulator's device_steps for the same lengths, and the run replayed on the named
+  cost model (`model` on `hw`, releases and migrations charged): occupied_device_seconds,
+  makespan_s, tokens_per_occupied_device_second and throughput_tokens_per_s in its seconds.
+  Paged KV: the replays run on a pool built as the run's, so its peak pages and preemptions are
+  checked too (sim_kv_*)."""
   s = res.summary
   m = _scalars(s)
+  for key in HOST_SECONDS:
+    if key in m:
+      m[f"host_{key}"] = m.pop(key)
   lengths = {q: f.num_tokens for q, f in res.record.finishes.items()}
   kw: dict[str, Any] = dict(
       steps_per_dispatch=c.rollout.steps_per_dispatch, placement=c.scheduler.placement,
@@ -149,10 +161,14 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   if paged(s):
     m["sim_kv_peak_pages"] = plain["kv"]["peak_pages"]
     m["sim_preemptions"] = plain["kv"]["preemptions"]
-  m["roofline_occupied_device_seconds"] = roof["occupied_device_seconds"]
-  m["roofline_tokens_per_device_second"] = (
-      roof["generated_tokens"] / roof["occupied_device_seconds"])
-  m["roofline_wall_s"] = roof["generation_wall_s"]
+  if roof["device_steps"] != plain["device_steps"]:
+    raise AssertionError(f"the cost model's replay ran {roof['device_steps']} device-steps, the "
+                         f"plain one {plain['device_steps']}")
+  m["occupied_device_seconds"] = roof["occupied_device_seconds"]
+  m["makespan_s"] = roof["makespan_s"]
+  tokens = roof["generated_tokens"]
+  m["tokens_per_occupied_device_second"] = tokens / roof["occupied_device_seconds"]
+  m["throughput_tokens_per_s"] = tokens / roof["makespan_s"]
   return m, lengths
 
 
@@ -165,7 +181,7 @@ def run_bench(config, st=None, *, progress: bool = True):
   bench = st.bench
   assert bench is not None  # load(config, "bench") reads the bench section
   pool = engine_lib.StepCachePool()
-  hw = presets.HARDWARE[bench.roofline_hardware]
+  model, hw = presets.parse_cost_model(bench.cost_model)
   history = LengthHistory()
   names = [n for n, _ in variants(st)]
   epochs, timelines, records = [], {}, {}
@@ -173,9 +189,7 @@ def run_bench(config, st=None, *, progress: bool = True):
   for k in range(bench.epochs):
     runs = _run_epoch(st, k, history, pool, progress)
     seqs, model_cfg = seqs_for(run_config(st, variants(st)[0][1], k))
-    model = presets.Model.from_config(f"{model_cfg.hidden_size}d-{model_cfg.num_experts}e",
-                                      model_cfg)
-    ep: dict = {"epoch": k}
+    ep: dict = {"epoch": k, "cost_model": bench.cost_model}
     for name in names:
       per = []
       for rep, (c, res, before, _h) in enumerate(runs[name]):
@@ -208,7 +222,7 @@ def run_bench(config, st=None, *, progress: bool = True):
         ep.setdefault("kv_matches_sim", {})[name] = all(
             (p["kv_peak_pages"], p["preemptions"]) == (p["sim_kv_peak_pages"],
                                                        p["sim_preemptions"]) for p in per)
-      ep[name] = merged
+      ep[name] = dict(merged, cost_model=bench.cost_model)
       if bench.repeats > 1:
         ep.setdefault("repeats", {})[name] = {
             "throughput_tokens_per_s": [p["throughput_tokens_per_s"] for p in per],
@@ -216,6 +230,8 @@ def run_bench(config, st=None, *, progress: bool = True):
       ep.setdefault("device_steps_match_sim", {})[name] = all(
           p["device_steps"] == p["sim_device_steps"] for p in per)
     document.add_comparisons(ep, names, runs, seqs)
+    document.add_seconds(ep, names, seqs, runs["static"][0][1], model, hw)
     epochs.append(ep)
     history = runs["flexfloor"][0][3]  # epoch k's lengths join the shared history
-  return document.make_document(config, epochs, records, hw, model, pool, t_all), timelines, records
+  doc = document.make_document(config, epochs, records, bench.cost_model, pool, t_all)
+  return doc, timelines, records

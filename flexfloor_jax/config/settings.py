@@ -26,7 +26,7 @@ from flexfloor_jax.policy import costs, plan, workload
 from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.rl import tasks as tasks_lib
-from flexfloor_jax.sim.presets import HARDWARE
+from flexfloor_jax.sim.presets import parse_cost_model
 
 # ----------------------------------------------------------------------------- shared sections
 
@@ -198,7 +198,7 @@ class BenchSettings:
   epochs: int
   repeats: int
   release_only: bool
-  roofline_hardware: str
+  cost_model: str  # 'roofline:MODEL@HARDWARE': every run replayed in its seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +246,17 @@ def _bench(c, parts: dict) -> BenchSettings:
   r = Reader(c, "")
   return BenchSettings(output_dir=r.text("output_dir", nonempty=True), epochs=r.int("epochs"),
                        repeats=r.int("repeats"), release_only=r.flag("release_only"),
-                       roofline_hardware=r.choice("roofline_hardware", sorted(HARDWARE)))
+                       cost_model=_cost_model(r))
+
+
+def _cost_model(r: Reader) -> str:
+  """bench's cost_model, checked before any run (sim.presets.parse_cost_model)."""
+  text = r.text("cost_model", nonempty=True)
+  try:
+    parse_cost_model(text)
+  except ValueError as e:
+    raise ConfigError(f"{r.name('cost_model')}: {e}") from None
+  return text
 
 
 def _rl(c, parts: dict) -> RLSettings:

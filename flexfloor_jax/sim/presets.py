@@ -136,3 +136,19 @@ MODELS = {
     "tiny": Model.from_config("tiny", PRESETS["tiny"],
                               source="flexfloor_jax/model/config.py PRESETS['tiny']"),
 }
+
+
+def parse_cost_model(text: str) -> tuple[Model, Hardware]:
+  """A named step cost model: 'roofline:MODEL@HARDWARE' (a MODELS and a HARDWARE preset, e.g.
+  'roofline:mixtral-8x7b@h100'), the roofline a run on emulated CPU devices is replayed on (the
+  tiny model stands for the named one). ValueError names the part that does not parse."""
+  kind, _, pair = str(text).partition(":")
+  model, _, hw = pair.partition("@")
+  if kind != "roofline" or not model or not hw:
+    raise ValueError(f"{text!r} is not 'roofline:MODEL@HARDWARE' (e.g. "
+                     f"'roofline:mixtral-8x7b@h100')")
+  if model not in MODELS:
+    raise ValueError(f"model {model!r} of {text!r} is not one of {sorted(MODELS)}")
+  if hw not in HARDWARE:
+    raise ValueError(f"hardware {hw!r} of {text!r} is not one of {sorted(HARDWARE)}")
+  return MODELS[model], HARDWARE[hw]

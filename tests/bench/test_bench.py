@@ -60,7 +60,7 @@ def test_release_only_ceiling_by_hand():
         "flexfloor": _measures(1.6, 0.0, 6), "release_only": _measures(1.2, 0.25, 8),
         "release_compaction": _measures(1.5, 0.05, 8)}
   names = ["static", "balanced", "flexfloor", "release_only", "release_compaction"]
-  # The bound needs flexfloor's run: two workers of one slot, sequences of 4 and 2 tokens.
+  # The oracle policy needs flexfloor's run: two workers of one slot, sequences of 4 and 2 tokens.
   seqs = [Seq(0, "p", 0, 3, None, 8), Seq(1, "p", 1, 3, None, 8)]
   responses = [{"prompt_id": "p", "sample": 0, "tokens": [5, 6, 7, 2]},
                {"prompt_id": "p", "sample": 1, "tokens": [5, 2]}]
@@ -104,7 +104,7 @@ def test_bench_json_structure_and_ratios(small_bench):
       for m in TABLE_METRICS:
         assert isinstance(e[name][m], (int, float)), (name, m)
       assert e[name]["generated_tokens"] == e["static"]["generated_tokens"]
-    for m in TABLE_METRICS + ("roofline_tokens_per_device_second",):
+    for m in TABLE_METRICS + ("tokens_per_occupied_device_second", "makespan_s"):
       assert e["ratio"][m] == pytest.approx(e["flexfloor"][m] / e["static"][m])
       assert e["ratio_release_only"][m] == pytest.approx(e["release_only"][m] / e["static"][m])
       assert e["ratio_release_compaction"][m] == pytest.approx(
@@ -118,6 +118,23 @@ def test_bench_json_structure_and_ratios(small_bench):
         e["ratio_release_compaction"]["tokens_per_device_step"]
         / e["ratio_release_only"]["tokens_per_device_step"])
     assert e["ratio"]["tokens_per_device_step"] > 1.0
+    # the headline: every run replayed on the named cost model, in its seconds
+    for name in ("static", "balanced", "flexfloor"):
+      m = e[name]
+      assert m["cost_model"] == e["cost_model"] == doc["cost_model"]["name"]
+      assert m["tokens_per_occupied_device_second"] == pytest.approx(
+          m["generated_tokens"] / m["occupied_device_seconds"])
+      assert m["throughput_tokens_per_s"] == pytest.approx(m["generated_tokens"] / m["makespan_s"])
+      # host seconds of emulated devices are kept apart, never the headline
+      assert m["host_occupied_device_seconds"] != m["occupied_device_seconds"]
+      assert m["makespan_s"] >= e["bound"]["makespan_s"]
+      assert m["occupied_device_seconds"] >= e["bound"]["occupied_device_seconds"]
+    for key, base in (("flexfloor_static", "static"), ("flexfloor_balanced", "balanced")):
+      r = e["ratios"][key]
+      assert r["tokens_per_occupied_device_second"] == pytest.approx(
+          e["flexfloor"]["tokens_per_occupied_device_second"]
+          / e[base]["tokens_per_occupied_device_second"])
+      assert r["throughput"] == pytest.approx(e[base]["makespan_s"] / e["flexfloor"]["makespan_s"])
     assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
     assert all(e["responses_identical"].values())
   # the scheduler sees the history of earlier epochs only
@@ -128,7 +145,9 @@ def test_bench_json_structure_and_ratios(small_bench):
   assert cal["predictions"] and all(p["device_steps_exact"] for p in cal["predictions"])
   # the paper's figure is cited, not computed: recorded as a speedup, and what the table prints
   paper = doc["paper"]["tokens_per_device_time_ratio"]
-  assert paper > 1 and f"paper {paper}" in report.format_table(doc)
+  table = report.format_table(doc)
+  assert paper > 1 and f"paper {paper}" in table
+  assert table.startswith(f"seconds: {doc['cost_model']['name']}") and "lower bound" in table
 
 
 def test_bench_outputs(small_bench):
@@ -269,7 +288,7 @@ def test_paged_bench_same_pool_replayed_exactly(paged_bench):
                                                               m["preemptions"])
   assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
   assert all(e["kv_matches_sim"].values()) and all(e["responses_identical"].values())
-  assert e["bound"]["tokens_per_device_step"] > 0
+  assert e["oracle_policy"]["tokens_per_device_step"] > 0
   lines = report.summary_lines(doc)
   assert any(ln.startswith("paged KV, same pool") and "flexfloor/static" in ln for ln in lines)
   assert any("balanced/static" in ln for ln in lines)
