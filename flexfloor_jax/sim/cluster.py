@@ -172,7 +172,7 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
   bal_split = [bal[g] for g in range(groups)]
   # on time in both units: the seconds estimate prices rows, the lane-steps keep the makespan
   # guard that a mean-rows step time would loosen
-  budget = finishes(bal_split).max(axis=2).mean(axis=1) * (1.0 + slack)
+  budget = finishes(bal_split).max(axis=2) * (1.0 + slack)  # [unit, scenario]
   order = sorted(range(len(seqs)), key=lambda i: (-pred[i], i))
   lo = float(pred.sum()) / (groups * lanes)
   hi = max(release_policy.list_schedule_finish([], [pred[i] for i in q], lanes) for q in bal_split)
@@ -182,7 +182,7 @@ def group_split(seqs: list[Seq], schedule: str, history, groups: int, lanes: int
     split = [packed[g] for g in range(groups)]
     fin = finishes(split)
     held = float(fin[1].sum(axis=1).mean())  # group-seconds (a group held to its last response)
-    if (fin.max(axis=2).mean(axis=1) <= budget).all() and held < best[0]:
+    if (fin.max(axis=2) <= budget).all() and held < best[0]:
       best = (held, split)
   return best[1]
 
