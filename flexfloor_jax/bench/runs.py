@@ -56,10 +56,11 @@ def variants(st) -> list[tuple[str, dict]]:
 
 def run_config(st, variant: dict, epoch: int):
   """The settings of one run: a variant of `st` at epoch `epoch`, every mesh size compiled
-  before the first step."""
+  before the first step, deciding in the seconds of the cost model it is scored on."""
   return st.replace(schedule=variant["schedule"],
                     scheduler=dict(placement=variant["placement"],
-                                   compaction=variant["compaction"]),
+                                   compaction=variant["compaction"],
+                                   step_cost=st.bench.cost_model),
                     rollout=dict(epoch=int(epoch), wait_compiles=True))
 
 
@@ -152,6 +153,8 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
       steps_per_dispatch=c.rollout.steps_per_dispatch, placement=c.scheduler.placement,
       compaction=c.scheduler.compaction, epoch=k, sizes=s.get("release_sizes"),
       makespan_slack=c.scheduler.makespan_slack, step_cost=s.get("step_cost", "measured"))
+  if kw["step_cost"].startswith("roofline:"):  # the run decided in the named pair's seconds
+    kw["policy_cost"] = costs.named_step_cost(kw["step_cost"], seqs)
   if paged(s):
     kw["kv"] = pool_factory(c, s)
   args = (seqs, lengths, before, c.schedule, s["num_workers"], lanes(s), s["floor"])

@@ -186,7 +186,19 @@ def _scheduler(c) -> SchedulerSettings:
       history_path=r.text("history_path"), compaction=r.flag("compaction"),
       placement=r.choice("placement", plan.PLACEMENTS, default="auto"), release_sizes=sizes,
       makespan_slack=r.num("makespan_slack", 0, 1, default=0.05),
-      step_cost=r.choice("step_cost", costs.STEP_COSTS, default="auto"))
+      step_cost=_step_cost(r))
+
+
+def _step_cost(r: Reader) -> str:
+  """scheduler.step_cost: one of costs.STEP_COSTS or a named roofline pair."""
+  text = r.text("step_cost", default="auto")
+  if text.startswith("roofline:"):
+    try:
+      parse_cost_model(text)
+    except ValueError as e:
+      raise ConfigError(f"{r.name('step_cost')}: {e}") from None
+    return text
+  return r.choice("step_cost", costs.STEP_COSTS, default="auto")
 
 
 # ----------------------------------------------------------------------------- entry sections

@@ -86,12 +86,17 @@ STEP_COSTS = ("auto", "measured", "steps")
 
 
 def resolve(step_cost: str, platform: str) -> str:
-  """scheduler.step_cost -> 'measured' | 'steps'. 'auto' decides on measured seconds on TPU/GPU
-  and on device-steps on emulated CPU devices: they share the host's cores, so their step times
-  say little about an accelerator's and vary with the machine's load from run to run, which would
-  make the releases (and the device-steps a benchmark reports) differ between identical runs."""
+  """scheduler.step_cost -> 'measured' | 'steps' | 'roofline:MODEL@HARDWARE'. 'auto' decides on
+  measured seconds on TPU/GPU and on device-steps on emulated CPU devices: they share the host's
+  cores, so their step times say little about an accelerator's and vary with the machine's load
+  from run to run, which would make the releases (and the device-steps a benchmark reports)
+  differ between identical runs. A named roofline pair (the simulator's presets, resolved by the
+  runner) decides in that pair's seconds, the tiny model standing for the named one."""
+  if str(step_cost).startswith("roofline:"):
+    return step_cost
   if step_cost not in STEP_COSTS:
-    raise ValueError(f"must be one of {STEP_COSTS}, got {step_cost!r}")
+    raise ValueError(f"must be one of {STEP_COSTS} or 'roofline:MODEL@HARDWARE', got "
+                     f"{step_cost!r}")
   if step_cost == "auto":
     return "steps" if platform == "cpu" else "measured"
   return step_cost

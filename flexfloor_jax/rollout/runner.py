@@ -51,6 +51,7 @@ from flexfloor_jax.rollout.inputs import (
 )
 from flexfloor_jax.rollout.outputs import OutputError, check_finite_logprobs, publish_outputs
 from flexfloor_jax.runtime import mesh as mesh_lib
+from flexfloor_jax.sim.costs import named_step_cost
 
 # ----------------------------------------------------------------------------- the rollout
 
@@ -195,11 +196,14 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
 
   chain = list(range(n))
   step_cost = costs.resolve(config.scheduler.step_cost, devices[0].platform)
+  # a named pair: decide in its seconds
+  cost = named_step_cost(step_cost, seqs) if step_cost.startswith("roofline:") else None
   queues, policy, pred_by_seq = plan.plan_rollout(
       seqs, history, config.schedule, n, b, floor, steps_per_dispatch=r.steps_per_dispatch,
       placement=config.scheduler.placement, compaction=config.scheduler.compaction,
       epoch=r.epoch, sizes=allowed, makespan_slack=config.scheduler.makespan_slack,
-      step_cost=step_cost, kv=kv_pool.pool_factory(r, n, seq_len) if paged else None)
+      cost=cost, step_cost=step_cost,
+      kv=kv_pool.pool_factory(r, n, seq_len) if paged else None)
   placement = ExpertPlacement.initial(e, chain, slots, num_workers=n)
   return Prepared(model_cfg=model_cfg, tokenizer=tokenizer, prompts=prompts, seqs=seqs, mode=mode,
                   seq_len=seq_len, history=history, history_path=history_file(config),

@@ -32,7 +32,7 @@ import dataclasses
 import numpy as np
 
 from flexfloor_jax.policy import accounting
-from flexfloor_jax.sim.presets import Hardware, Model
+from flexfloor_jax.sim.presets import Hardware, Model, parse_cost_model
 
 
 class RooflineCost:
@@ -95,7 +95,7 @@ class RooflineStepCost:
 
   def __init__(self, model: Model, hw: Hardware, ctx_per_seq: float):
     self.roof, self.ctx = RooflineCost(model, hw), float(ctx_per_seq)
-    self.name = f"roofline:{hw.name}"
+    self.name = f"roofline:{model.name}@{hw.name}"
 
   def _held(self, n: int) -> np.ndarray:
     E = self.roof.model.experts
@@ -116,6 +116,15 @@ class RooflineStepCost:
     tok = np.asarray(prompt_w, float)
     # causal attention over the prompt: ~P^2/2 token-context products; KV read = the prompt
     return self.roof.step_seconds(self._held(len(tok)), tok, tok, tok * tok / 2)
+
+
+def named_step_cost(text: str, seqs) -> RooflineStepCost:
+  """scheduler.step_cost 'roofline:MODEL@HARDWARE' as the StepCost a rollout of `seqs` decides on
+  (the runner) and is replayed with (the bench): the named pair's roofline, a live row reading
+  its prompt and a quarter of its cap on average."""
+  model, hw = parse_cost_model(text)
+  ctx = sum(s.prompt_len + s.max_new_tokens / 4 for s in seqs) / max(1, len(seqs))
+  return RooflineStepCost(model, hw, ctx)
 
 
 @dataclasses.dataclass

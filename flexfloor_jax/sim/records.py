@@ -19,7 +19,7 @@ from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import preallocated_slots
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rollout import kv_pool
-from flexfloor_jax.sim.costs import LinearCost, fit_cpu
+from flexfloor_jax.sim.costs import LinearCost, fit_cpu, named_step_cost
 from flexfloor_jax.sim.presets import Model
 from flexfloor_jax.sim.replay import replay
 
@@ -79,13 +79,16 @@ def replay_record(rec: dict, cost=None, model: Model | None = None):
   seqs = [Seq(**s) for s in rec["seqs"]]
   lengths = {int(k): v for k, v in rec["lengths"].items()}
   hist = LengthHistory(rec["history"], rec.get("step_seconds"))
+  step_cost = rec.get("step_cost", "measured")
+  # a run that decided in a named pair's seconds is replayed deciding in them too
+  policy_cost = named_step_cost(step_cost, seqs) if step_cost.startswith("roofline:") else None
   return replay(seqs, lengths, hist, rec["schedule"], rec["num_workers"], rec["slots_per_worker"],
                 rec["floor"], cost=cost, model=model,
                 steps_per_dispatch=rec["steps_per_dispatch"],
                 placement=rec.get("placement", "auto"), compaction=rec.get("compaction", True),
                 epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
                 sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05),
-                step_cost=rec.get("step_cost", "measured"),
+                step_cost=step_cost, policy_cost=policy_cost,
                 kv=kv_factory(rec.get("kv"), rec["num_workers"]))
 
 

@@ -185,6 +185,7 @@ BAD = [
     ("rollout", "mixtral", "scheduler.release_sizes", "4,0"),
     ("rollout", "mixtral", "scheduler.makespan_slack", 1.5),
     ("rollout", "mixtral", "scheduler.step_cost", "wall"),
+    ("rollout", "mixtral", "scheduler.step_cost", "roofline:mixtral-8x7b@abacus"),
     ("bench", "bench", "output_dir", ""),
     ("bench", "bench", "epochs", 0),
     ("bench", "bench", "repeats", 0),
