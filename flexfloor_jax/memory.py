@@ -1,5 +1,7 @@
 """`python -m flexfloor_jax.memory [--preset 8x7b] [--device_memory_gb 80] [--workers 8]`: the
-memory floor of a configs/mixtral.py preset, term by term (flexfloor_jax.engine.memory)."""
+memory floor of a model preset, term by term (flexfloor_jax.engine.memory), with the rollout
+fields of its family's config file (configs/<family>.py: mixtral.py for 8x7b, qwen3_moe.py for
+qwen3-30b-a3b)."""
 
 import argparse
 
@@ -10,7 +12,7 @@ from flexfloor_jax.rollout import inputs
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description="The memory floor of a configs/mixtral.py preset.")
+  p = argparse.ArgumentParser(description="The memory floor of a model preset.")
   p.add_argument("--preset", default="8x7b", choices=sorted(PRESETS))
   p.add_argument("--device_memory_gb", type=float, default=0.0,
                  help="per-device budget (default: the preset's mesh.device_memory_gb, else 16)")
@@ -20,7 +22,8 @@ def main(argv=None):
     p.error(f"--workers={args.workers}: at least one worker is needed")
   if args.device_memory_gb < 0:
     p.error(f"--device_memory_gb={args.device_memory_gb:g}: must be >= 0 (0: the preset's)")
-  config = files.load_config("mixtral", args.preset)
+  # a family's config file is named after it (configs/qwen3_moe.py) and takes its presets' names
+  config = files.load_config(PRESETS[args.preset].family, args.preset)
   model_cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)
   seq_len = config.model.max_seq_len or (config.rollout.max_prompt_len
                                          + config.rollout.max_new_tokens)

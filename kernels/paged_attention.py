@@ -42,13 +42,16 @@ from flexfloor_jax.model import transformer as tfm
 def paged_attention(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                     page_table_BM: jax.Array, lengths_B: jax.Array, *,
                     sliding_window: int | None = None, impl: str = "xla",
-                    interpret: bool = False) -> jax.Array:
-  """Paged GQA decode attention (layout in the module docstring); impl 'xla' | 'pallas'."""
+                    interpret: bool = False, sinks_H: jax.Array | None = None) -> jax.Array:
+  """Paged GQA decode attention (layout in the module docstring); impl 'xla' | 'pallas'.
+  `sinks_H`: a logit per head in each softmax's denominator (GPT-OSS; the XLA path only)."""
   if impl == "xla":
     return paged_attention_xla(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, sinks_H=sinks_H)
   if impl != "pallas":
     raise ValueError(f"impl must be 'xla' or 'pallas', got {impl!r}")
+  if sinks_H is not None:
+    raise ValueError("the Pallas paged-attention kernels take no attention sinks; use impl='xla'")
   args = (q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B)
   if interpret:
     return paged_attention_tpu(*args, sliding_window=sliding_window, interpret=True)
@@ -71,8 +74,10 @@ def gather_pages(pages_KPSD: jax.Array, page_table_BM: jax.Array) -> jax.Array:
 
 def paged_attention_xla(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD: jax.Array,
                         page_table_BM: jax.Array, lengths_B: jax.Array, *,
-                        sliding_window: int | None = None) -> jax.Array:
-  """Reference: gather the pages, then the fixed-slot decode's attention over them."""
+                        sliding_window: int | jax.Array | None = None,
+                        sinks_H: jax.Array | None = None) -> jax.Array:
+  """Reference: gather the pages, then the fixed-slot decode's attention over them. The window
+  may be traced (a model whose layers differ: transformer.layer_window)."""
   b, h, d = q_BHD.shape
   _check(q_BHD, k_pages_KPSD, v_pages_KPSD, page_table_BM, lengths_B)
   k_BSKD = gather_pages(k_pages_KPSD, page_table_BM)
@@ -81,7 +86,7 @@ def paged_attention_xla(q_BHD: jax.Array, k_pages_KPSD: jax.Array, v_pages_KPSD:
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
   mask_B1S = tfm.attention_mask((lengths_B - 1)[:, None], k_pos_BS, jnp.ones((b, s), bool),
                                 sliding_window)
-  out_BHD = tfm.attend(q_BHD[:, None], k_BSKD, v_BSKD, mask_B1S)[:, 0].reshape(b, h, d)
+  out_BHD = tfm.attend(q_BHD[:, None], k_BSKD, v_BSKD, mask_B1S, sinks_H)[:, 0].reshape(b, h, d)
   return _zero_empty_rows(out_BHD, lengths_B)
 
 

@@ -41,23 +41,87 @@ def mixtral_config(**overrides):
 
 
 def build_model(config, seed: int):
-  """fp32, eval mode, seeded; norm weights drawn around 1.
+  """fp32, eval mode, seeded; norm weights drawn around 1 (q/k norms included), biases and
+  attention sinks drawn around 0 (their init values, zeros, would hide a dropped or misplaced
+  term). The model class is the config's family's (transformers' auto mapping from
+  model_type).
 
   torch runs single-threaded: these models are tiny, and on a shared 2-core machine torch's
   spinning worker threads slowed generate() down many times next to XLA's threads."""
   import torch
-  from transformers import MixtralForCausalLM
+  from transformers import AutoModelForCausalLM
 
   torch.set_num_threads(1)
 
   torch.manual_seed(seed)
-  model = MixtralForCausalLM(config).to(torch.float32).eval()
+  model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
   g = torch.Generator().manual_seed(seed + 1)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name:
         p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+      elif name.endswith(("bias", "sinks")):
+        p.copy_(0.3 * torch.randn(p.shape, generator=g))
   return model
+
+
+# Qwen3-MoE parity cases. "q3": 12 experts (not a multiple of 8 workers), top-4 renormalised,
+# explicit head_dim 24 != 64/4, layer 1 dense (mlp_only_layers), hub layout, one file, two eos
+# ids. "q3s": 32 experts (not a multiple of 3 workers), top-8 not renormalised, every other layer
+# dense (decoder_sparse_step 2: layers 0 and 2), fused expert layout in several shards.
+QWEN3_CASES = {
+    "q3": dict(vocab_size=300, hidden_size=64, intermediate_size=112, moe_intermediate_size=40,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+               num_experts=12, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
+               decoder_sparse_step=1, rope_theta=5000.0, rms_norm_eps=1e-6,
+               max_position_embeddings=256, initializer_range=0.15),
+    "q3s": dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                num_experts=32, num_experts_per_tok=8, norm_topk_prob=False, mlp_only_layers=[],
+                decoder_sparse_step=2, rope_theta=20000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=256, initializer_range=0.15),
+}
+
+
+def qwen3_config(case: str = "q3", **overrides):
+  from transformers import Qwen3MoeConfig
+
+  kw = dict(QWEN3_CASES[case])
+  kw.update(overrides)
+  theta = kw.pop("rope_theta")
+  kw.setdefault("bos_token_id", 1)
+  kw.setdefault("eos_token_id", [2, 3])
+  return Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": theta},
+                        attn_implementation="eager", **kw)
+
+
+# GPT-OSS parity cases. "go": 12 experts top-4, layers sliding / full / sliding (window 4; prompts
+# of 5-16 tokens and 20 generated), YaRN as published (factor 32 over 4096 positions, theta
+# 150000: the ramp crosses the head dims), swiglu_limit 1.5 so that the clamps bind at these
+# weights. "go3": 32 experts top-4, full then sliding, the published limit 7, in shards.
+GPT_OSS_CASES = {
+    "go": dict(vocab_size=300, hidden_size=64, intermediate_size=40, num_hidden_layers=3,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_local_experts=12,
+               num_experts_per_tok=4, sliding_window=4, swiglu_limit=1.5, rms_norm_eps=1e-5,
+               max_position_embeddings=131072, initializer_range=0.15),
+    "go3": dict(vocab_size=300, hidden_size=64, intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_local_experts=32,
+                num_experts_per_tok=4, sliding_window=5, swiglu_limit=7.0, rms_norm_eps=1e-5,
+                layer_types=["full_attention", "sliding_attention"],
+                max_position_embeddings=131072, initializer_range=0.15),
+}
+
+
+def gpt_oss_config(case: str = "go", **overrides):
+  from transformers import GptOssConfig
+
+  kw = dict(GPT_OSS_CASES[case])
+  kw.update(overrides)
+  kw.setdefault("bos_token_id", 1)
+  kw.setdefault("eos_token_id", [2, 3])
+  rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+          "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
+  return GptOssConfig(rope_parameters=rope, attn_implementation="eager", **kw)
 
 
 def save(model, path: str, *, fused: bool = False, max_shard_size: str | None = None) -> str:

@@ -167,7 +167,7 @@ class Engine:
                                                                                  np.int32)]))
         rows.append((self._pos(w), s, q, len(kept), None if tables is None else tables[w, s]))
       host = state_lib.prefill_host(width, len(self.active), self.seed, self.epoch, rows,
-                                    self.spec.pages_per_seq)
+                                    self.spec.pages_per_seq, self.spec.sampling.temperature)
       fn = ss.resume_prefill() if step == "prefill_resume" else ss["prefill"]
       self.state, counts = fn(self.rest, self.experts, self.state, ss.put_host(host, self.e2s))
       self.expert_counts += self._read(counts)[0]
@@ -182,7 +182,8 @@ class Engine:
     tables = self._page_tables()[self.active] if self.spec.paged else None
 
     def host(k):
-      return ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables), self.e2s)
+      return ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables,
+                                               self.spec.sampling.temperature), self.e2s)
 
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
@@ -233,7 +234,7 @@ class Engine:
       tk, lp = self._merged(sid, toks[row, :k], lps[row, :k])
       self._kept.pop(sid, None)
       reason = finish_reason(k, q.limit, target=q.fixed_length,
-                             eos=bool(q.stop_eos and tk and tk[-1] == self.spec.cfg.eos_id))
+                             eos=bool(q.stop_eos and tk and tk[-1] in self.spec.cfg.stop_ids))
       fed = len(q.tokens) + k - 1  # positions that went through the model
       self.outputs[sid] = SeqOutput(tk, lp, reason, w, s,
                                     None if routes is None else routes[row, :fed].copy())

@@ -16,7 +16,7 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 
 def _row_axis_of(name: str) -> int:
   """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
-  return 1 if name in ("k", "v", *tfm.EXPERT_KEYS) else 0
+  return 1 if name in ("k", "v", *tfm.EXPERT_ARRAYS) else 0
 
 
 def _extract_local(tree, idx_1):

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  temperature: float = 1.0  # 0 = greedy
+  # 0 = greedy. The compiled steps read it from their host inputs, not as a constant: it is left
+  # out of equality and hash, so engine specs that differ only in it share their executables.
+  temperature: float = dataclasses.field(default=1.0, compare=False)
   top_p: float = 1.0
   top_k: int = 0  # 0 = off
 
@@ -56,18 +58,22 @@ def _truncate(logits_V: jax.Array, sp: SamplingParams) -> jax.Array:
   return logits_V
 
 
-def sample_one(logits_V: jax.Array, key_data: jax.Array, n: jax.Array, sp: SamplingParams):
+def sample_one(logits_V: jax.Array, key_data: jax.Array, n: jax.Array, sp: SamplingParams,
+               temperature: jax.Array | float):
   """(token, logprob) for one row: the n-th token of the sequence whose key data is given.
-  logprob = log_softmax(logits / T)[token] before top-p / top-k (what a trainer recomputes)."""
+  `temperature` (a traced scalar in the engine's steps; <= 0 = greedy) replaces
+  sp.temperature. logprob = log_softmax(logits / T)[token] before top-p / top-k (what a trainer
+  recomputes; T = 1 when greedy)."""
   logits_V = logits_V.astype(jnp.float32)
-  if sp.temperature == 0.0:
-    token = jnp.argmax(logits_V).astype(jnp.int32)
-    return token, jax.nn.log_softmax(logits_V)[token]
-  scaled = logits_V / sp.temperature
+  greedy = jnp.asarray(temperature) <= 0
+  # x / 1.0 is exact: greedy and T = 1 give the log-probs of an unscaled log_softmax
+  scaled = logits_V / jnp.where(greedy, jnp.float32(1.0), jnp.asarray(temperature, jnp.float32))
   key = jax.random.fold_in(jax.random.wrap_key_data(key_data), n)
-  token = jax.random.categorical(key, _truncate(scaled, sp)).astype(jnp.int32)
+  drawn = jax.random.categorical(key, _truncate(scaled, sp)).astype(jnp.int32)
+  token = jnp.where(greedy, jnp.argmax(logits_V).astype(jnp.int32), drawn)
   return token, jax.nn.log_softmax(scaled)[token]
 
 
-def sample(logits_BV, key_data_B2, n_B, sp: SamplingParams):
-  return jax.vmap(lambda lg, k, n: sample_one(lg, k, n, sp))(logits_BV, key_data_B2, n_B)
+def sample(logits_BV, key_data_B2, n_B, sp: SamplingParams, temperature: jax.Array | float):
+  return jax.vmap(lambda lg, k, n: sample_one(lg, k, n, sp, temperature))(logits_BV, key_data_B2,
+                                                                          n_B)

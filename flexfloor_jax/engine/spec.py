@@ -62,6 +62,9 @@ class EngineSpec:
       raise ValueError("model.attention_backend='pallas': the Pallas paged-attention kernels "
                        f"take no sliding window (the model's is {self.cfg.sliding_window}); "
                        "use 'xla'")
+    if self.attention_backend == "pallas" and self.cfg.attn_sinks:
+      raise ValueError("model.attention_backend='pallas': the Pallas paged-attention kernels "
+                       "take no attention sinks (the model has them); use 'xla'")
 
   @property
   def paged(self) -> bool:
@@ -91,7 +94,8 @@ class EngineSpec:
     return EPConfig(num_workers=n, slots_per_worker=self.expert_slots, top_k=self.cfg.top_k,
                     tile_m=tile_m, chunk_tokens=self.chunk_tokens, backend=impl,
                     interpret=interpret or self.interpret,
-                    exchange=resolve_exchange(self.exchange))
+                    exchange=resolve_exchange(self.exchange),
+                    choices=tfm.MoEChoices.of(self.cfg))
 
 
 @dataclasses.dataclass
@@ -119,9 +123,10 @@ class SeqOutput:
 
 
 def split_params(params: tfm.Params) -> tuple[tfm.Params, dict]:
-  """(non-expert params, expert weights {w1, w3, w2} in canonical [L, E, ...] layout)."""
+  """(non-expert params, expert weights {w1, w3, w2} (and their biases {b1, b3, b2} where the
+  model has them) in canonical [L, E, ...] layout)."""
   layers = dict(params["layers"])
-  experts = {k: layers.pop(k) for k in tfm.EXPERT_KEYS}
+  experts = {k: layers.pop(k) for k in tfm.EXPERT_ARRAYS if k in layers}
   rest = dict(params)
   rest["layers"] = layers
   return rest, experts
@@ -163,7 +168,9 @@ def _slot_gather(sharding: NamedSharding):
 
   def gather(w, idx, empty):
     g = jnp.take(w, idx, axis=1)
-    return jnp.where(empty[None, :, None, None], jnp.zeros((), w.dtype), g)
+    # [1, N*S, 1, ...]: weights [L, N*S, D, F] and biases [L, N*S, F] alike
+    empty = empty.reshape((1, -1) + (1,) * (w.ndim - 2))
+    return jnp.where(empty, jnp.zeros((), w.dtype), g)
 
   return jax.jit(gather, out_shardings=sharding)
 

@@ -157,14 +157,26 @@ def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new
 # Prefill rows: the prompt's `width` token columns (max_prompt_len; a resumed sequence's prefill:
 # max_seq_len), then PREFILL_COLS, then (paged KV) the filled row's page table. `generated`: the
 # tokens a resumed (preempted) sequence had made; its tokens are prompt + those.
+# `temperature` (both layouts): the sampling temperature's float32 bits, a runtime input rather
+# than a compiled constant, so that a rollout at another temperature reuses the executables.
 PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch",
-                "generated")
+                "generated", "temperature")
 # Decode rows: DECODE_COLS, then (paged KV) the page tables of the worker's B rows.
-DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle")
+DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle", "temperature")
+
+
+def temperature_bits(temperature: float) -> int:
+  """The int32 column value that carries a float32 temperature."""
+  return int(np.float32(temperature).view(np.int32))
+
+
+def temperature_of(col: jax.Array) -> jax.Array:
+  """Inside a step: the float32 temperature of a `temperature` column value."""
+  return jax.lax.bitcast_convert_type(col, jnp.float32)
 
 
 def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple],
-                 pages_per_seq: int = 0) -> np.ndarray:
+                 pages_per_seq: int = 0, temperature: float = 1.0) -> np.ndarray:
   """Host inputs of one prefill step on n workers: `rows` (worker position, decode slot,
   SeqInput[, generated, page table row]), at most one per position; a worker without one
   prefills nothing (slot -1). pages_per_seq > 0: paged KV, each row brings its page table."""
@@ -174,6 +186,7 @@ def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple
   host[:, col["slot"]] = -1
   host[:, col["seed"]] = seed
   host[:, col["epoch"]] = epoch
+  host[:, col["temperature"]] = temperature_bits(temperature)
   t0 = lp + len(PREFILL_COLS)
   for p, slot, q, *more in rows:
     generated = more[0] if more else 0
@@ -189,11 +202,13 @@ def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple
   return host
 
 
-def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None) -> np.ndarray:
+def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None,
+                temperature: float = 1.0) -> np.ndarray:
   """Host inputs of one decode dispatch: the masks are per worker position; `tables` (paged KV)
   [n, B, pages_per_seq] the page tables of every worker's rows."""
-  cols = {"max_steps": np.full(len(stop_on_refill), max_steps), "stop_on_refill": stop_on_refill,
-          "stop_on_idle": stop_on_idle}
+  n = len(stop_on_refill)
+  cols = {"max_steps": np.full(n, max_steps), "stop_on_refill": stop_on_refill,
+          "stop_on_idle": stop_on_idle, "temperature": np.full(n, temperature_bits(temperature))}
   host = np.stack([np.asarray(cols[name]) for name in DECODE_COLS], axis=1).astype(np.int32)
   if tables is not None:
     t = np.asarray(tables, np.int32)

@@ -9,11 +9,19 @@ import jax.numpy as jnp
 
 from flexfloor_jax.engine.sampling import sample, sample_one, sequence_key
 from flexfloor_jax.engine.spec import EngineSpec, merge_params
-from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill
+from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill, temperature_of
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.moe import ep_moe
 from flexfloor_jax.model.paged import decode_paged, insert_paged
 from flexfloor_jax.policy.controller import worker_stops
+
+
+def _is_stop(tok, stop_ids):
+  """Whether each token is one of the model's stop ids (a checkpoint may list several)."""
+  hit = tok == stop_ids[0]
+  for i in stop_ids[1:]:
+    hit = hit | (tok == i)
+  return hit
 
 
 def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_PC,
@@ -26,7 +34,7 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
   tokens_PT, c, e2s, table_PM = read_prefill(host_PC, width or spec.max_prompt_len,
                                              cfg.num_experts, spec.pages_per_seq)
   slot_P, eos_P, limit_P = c["slot"], c["stop_eos"] != 0, c["limit"]
-  seed, epoch = c["seed"][0], c["epoch"][0]
+  seed, epoch, temp = c["seed"][0], c["epoch"][0], temperature_of(c["temperature"][0])
   ep = spec.ep(n, spec.prefill_tile_m)
 
   def moe_fn(x, lp, valid):
@@ -45,11 +53,12 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
     kv = dict(k=cache.k, v=cache.v)
   gen_P = c["generated"]
   keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, c["phash"], c["sample"])
-  tok, lp = jax.vmap(lambda lg, kd, g: sample_one(lg, kd, g, spec.sampling))(logits, keys, gen_P)
+  tok, lp = jax.vmap(lambda lg, kd, g: sample_one(lg, kd, g, spec.sampling, temp))(logits, keys,
+                                                                                   gen_P)
   sc = st.slot_scalars()
   b = sc.tokens.shape[0]
   idx = jnp.where(active, slot_P, b)  # b = out of range: dropped
-  done = (limit_P <= gen_P + 1) | (eos_P & (tok == cfg.eos_id))
+  done = (limit_P <= gen_P + 1) | (eos_P & _is_stop(tok, cfg.stop_ids))
 
   def upd(a, val):
     return a.at[idx].set(val, mode="drop")
@@ -79,6 +88,7 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   h, e2s, table_BM = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq)
   max_steps, stop_on_refill, stop_on_idle = (h["max_steps"], h["stop_on_refill"] != 0,
                                              h["stop_on_idle"] != 0)
+  temp = temperature_of(h["temperature"])
   ep = spec.ep(n, spec.decode_tile_m)
   axis = ep.axis
   params = merge_params(rest, experts)
@@ -103,7 +113,7 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
       logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
                                       moe_fn=moe_fn)
       kv = dict(k=cache.k, v=cache.v)
-    tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling)
+    tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling, temp)
     col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
     routes = st.routes
     if routes is not None:  # the fed token's experts at its position: aux [L, B, K] -> [B, L, K]
@@ -114,7 +124,7 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
                     out_logprobs=st.out_logprobs.at[rows, col].set(lp, mode="drop"),
                     routes=routes)
     n_gen = sc.n_gen + live.astype(jnp.int32)
-    finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & (tok == cfg.eos_id)))
+    finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & _is_stop(tok, cfg.stop_ids)))
     sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
                     positions=sc.positions + live.astype(jnp.int32), live=live & ~finished)
     wake = worker_stops(jnp.any(finished), jnp.any(sc.live), stop_on_refill, stop_on_idle)

@@ -1,13 +1,22 @@
-"""Model dimensions. A checkpoint's config.json overrides every field here (see
-hf_checkpoint.py)."""
+"""Model dimensions and block choices. A checkpoint's config.json overrides every field here (its
+family's reader in model/families/ sets them); random-init presets name their family in `family`.
+
+The block choices (qk_norm, norm_topk_prob, dense_layers, ...) are what the transformer is
+assembled from: it reads these fields, never the family's name, and their defaults are Mixtral's,
+so a Mixtral config is what it was before families existed (same fields, same identity).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+from typing import Any
 
 from flexfloor_jax.model import param_count
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+EXPERT_ACTS = ("swiglu", "clamped_swiglu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +37,41 @@ class ModelConfig:
   eos_id: int = 2
   bos_id: int = 1
   dtype: str = "float32"  # activation / parameter dtype
+  # The family (a checkpoint's model_type) and its block choices; defaults: Mixtral's.
+  family: str = "mixtral"
+  qk_norm: bool = False  # per-head RMSNorm of q and k on the head dim, before RoPE
+  norm_topk_prob: bool = True  # renormalise the chosen experts' softmax weights to sum 1
+  # Layers whose MLP is one dense SwiGLU of dense_intermediate_size instead of the MoE.
+  dense_layers: tuple[int, ...] = ()
+  dense_intermediate_size: int = 0
+  extra_eos_ids: tuple[int, ...] = ()  # further stop tokens beside eos_id (checkpoints' lists)
+  # Layers that read only the last sliding_window positions; () = every layer when
+  # sliding_window is set (Mixtral), else the named ones (GPT-OSS's layer_types).
+  sliding_layers: tuple[int, ...] = ()
+  attn_bias: bool = False  # q/k/v/o projections with biases
+  attn_sinks: bool = False  # a learned logit per head joins each softmax and is dropped after it
+  # 'softmax_topk': top-k of a softmax over every expert (Mixtral, Qwen3-MoE) | 'topk_softmax':
+  # top-k of the logits, softmax over the chosen k (GPT-OSS)
+  router: str = "softmax_topk"
+  router_bias: bool = False
+  # 'swiglu': silu(gate) * up | 'clamped_swiglu': gate clamped above, up to +-swiglu_limit,
+  # gate * sigmoid(swiglu_alpha * gate) * (up + 1) (GPT-OSS)
+  expert_act: str = "swiglu"
+  expert_bias: bool = False  # gate, up and down projections of each expert with biases
+  swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
+  # YaRN RoPE scaling: factor (0 = plain RoPE), the pre-training length, the ramp's rotations
+  # and whether its bounds are rounded (transformers' 'truncate')
+  yarn_factor: float = 0.0
+  yarn_original_max_position: int = 4096
+  yarn_beta_fast: float = 32.0
+  yarn_beta_slow: float = 1.0
+  yarn_truncate: bool = True
 
   def __post_init__(self):
+    # JSON (orbax's model_config.json) gives lists: tuples keep the config hashable.
+    for f in ("dense_layers", "extra_eos_ids", "sliding_layers"):
+      object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "num_experts", "top_k"):
       if getattr(self, f) <= 0:
@@ -39,17 +81,57 @@ class ModelConfig:
                        f"({self.num_kv_heads})")
     if self.top_k > self.num_experts:
       raise ValueError(f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+    bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"dense_layers {bad} outside the {self.num_layers} layers")
+    if self.dense_layers and self.dense_intermediate_size <= 0:
+      raise ValueError("dense_intermediate_size must be > 0 when dense_layers are given, got "
+                       f"{self.dense_intermediate_size}")
+
+    bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"sliding_layers {bad} outside the {self.num_layers} layers")
+    if self.sliding_layers and not self.sliding_window:
+      raise ValueError("sliding_layers need a sliding_window")
+    if self.router not in ROUTERS:
+      raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+    if self.expert_act not in EXPERT_ACTS:
+      raise ValueError(f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
+
+  def window_of(self, layer: int) -> int | None:
+    """The sliding window layer `layer` reads (None: every position)."""
+    if self.sliding_window and (not self.sliding_layers or layer in self.sliding_layers):
+      return self.sliding_window
+    return None
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """Every token id that ends a response (eos_id -1: none, never matches)."""
+    return (self.eos_id, *self.extra_eos_ids)
 
   def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def param_count(self) -> int:
-    """Parameter count from the dimensions alone (embed + layers + norm + untied lm_head)."""
+    """Parameters the model's layout holds, from the dimensions alone (embed + layers + norm +
+    untied lm_head). With dense layers that is more than the checkpoint's: the layer stacks keep
+    one shape, so expert and dense weights exist on every layer (zero where unused)."""
     e = self.num_experts
     return (param_count.nonexpert_params(self.vocab_size, self.hidden_size, self.num_layers,
-                                       self.num_heads, self.num_kv_heads, self.head_dim, e)
+                                       self.num_heads, self.num_kv_heads, self.head_dim, e,
+                                       qk_norm=self.qk_norm, attn_bias=self.attn_bias,
+                                       sinks=self.attn_sinks, router_bias=self.router_bias,
+                                       dense_ffn=self.dense_intermediate_size
+                                       if self.dense_layers else 0)
             + e * param_count.expert_params(self.hidden_size, self.intermediate_size,
-                                          self.num_layers))
+                                          self.num_layers, bias=self.expert_bias))
+
+
+_BLOCK_FIELDS = ("family", "qk_norm", "norm_topk_prob", "dense_layers", "dense_intermediate_size",
+                 "extra_eos_ids", "sliding_layers", "attn_bias", "attn_sinks", "router",
+                 "router_bias", "expert_act", "expert_bias", "swiglu_limit", "swiglu_alpha",
+                 "yarn_factor", "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow",
+                 "yarn_truncate")
 
 
 def model_identity(cfg: ModelConfig) -> str:
@@ -58,6 +140,11 @@ def model_identity(cfg: ModelConfig) -> str:
   not used for a model of another shape or vocabulary; two checkpoints of one architecture
   share it."""
   fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "dtype"}
+  # Block choices at their default (Mixtral's) are left out: a Mixtral keeps the identity it had
+  # before the families' fields existed, so its length histories stay usable.
+  for f in dataclasses.fields(ModelConfig):
+    if f.name in _BLOCK_FIELDS and fields[f.name] == f.default:
+      del fields[f.name]
   return "cfg-" + hashlib.sha1(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -102,6 +189,14 @@ def resolve_moe_backend(name: str, platform: str) -> tuple[str, bool]:
 # Byte-level tokenizer vocabulary: 256 bytes + pad/bos/eos (see tokenizer.py).
 BYTE_VOCAB = 259
 
+# GPT-OSS's block choices and the RoPE of its config.json (theta 150000; YaRN factor 32 over 4096
+# pre-training positions, beta 32 / 1, bounds not rounded), shared by its presets.
+_GPT_OSS: dict[str, Any] = dict(
+    family="gpt_oss", rope_theta=150000.0, rms_eps=1e-5, attn_bias=True, attn_sinks=True,
+    router="topk_softmax", router_bias=True, expert_act="clamped_swiglu", expert_bias=True,
+    swiglu_limit=7.0, swiglu_alpha=1.702, yarn_factor=32.0, yarn_original_max_position=4096,
+    yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_truncate=False)
+
 PRESETS = {
     # The Mixtral architecture at a size that runs in seconds on a laptop CPU.
     "tiny": ModelConfig(vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256,
@@ -118,4 +213,50 @@ PRESETS = {
                          num_experts=8, top_k=2, rope_theta=1e6, rms_eps=1e-5,
                          sliding_window=None, max_position_embeddings=65536, eos_id=2, bos_id=1,
                          dtype="bfloat16"),
+    # Qwen3-MoE at laptop size: per-head q/k norms, explicit head_dim (48 != 128 / 4), 16 small
+    # experts, top-4, renormalised (as the published checkpoints).
+    "qwen3-tiny": ModelConfig(vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=64,
+                              num_layers=4, num_heads=4, num_kv_heads=2, head_dim=48,
+                              num_experts=16, top_k=4, rope_theta=10000.0, rms_eps=1e-6,
+                              max_position_embeddings=4096, eos_id=258, bos_id=257,
+                              family="qwen3_moe", qk_norm=True, norm_topk_prob=True),
+    # Published Qwen3-MoE dimensions (Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B config.json and
+    # generation_config.json: eos 151645, also stops at 151643; no dense layers; no BOS
+    # prepended, as their tokenizer does). The simulator's model rows take the same dimensions
+    # from here (sim/presets.py).
+    "qwen3-30b-a3b": ModelConfig(vocab_size=151936, hidden_size=2048, intermediate_size=768,
+                                 num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+                                 num_experts=128, top_k=8, rope_theta=1e6, rms_eps=1e-6,
+                                 max_position_embeddings=40960, eos_id=151645, bos_id=-1,
+                                 dtype="bfloat16", family="qwen3_moe", qk_norm=True,
+                                 norm_topk_prob=True, extra_eos_ids=(151643,)),
+    "qwen3-235b-a22b": ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=1536,
+                                   num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+                                   num_experts=128, top_k=8, rope_theta=1e6, rms_eps=1e-6,
+                                   max_position_embeddings=40960, eos_id=151645, bos_id=-1,
+                                   dtype="bfloat16", family="qwen3_moe", qk_norm=True,
+                                   norm_topk_prob=True, extra_eos_ids=(151643,)),
+    # GPT-OSS at laptop size: q/k/v/o biases, sinks, layers 0 and 2 sliding (window 16), YaRN as
+    # published, a biased top-k-then-softmax router, 16 experts with biases and clamped SwiGLU.
+    "gpt-oss-tiny": ModelConfig(**_GPT_OSS, vocab_size=BYTE_VOCAB, hidden_size=128,
+                                intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                                head_dim=32, num_experts=16, top_k=4, sliding_window=16,
+                                sliding_layers=(0, 2), max_position_embeddings=4096, eos_id=258,
+                                bos_id=257),
+    # Published GPT-OSS dimensions (openai/gpt-oss-20b, gpt-oss-120b config.json: alternating
+    # sliding (128) and full layers, sliding first; generation_config.json's stop ids 200002,
+    # 199999, 200012; no BOS prepended). The published experts are MXFP4, dequantized on load:
+    # these presets are the model in bfloat16.
+    "gpt-oss-20b": ModelConfig(**_GPT_OSS, vocab_size=201088, hidden_size=2880,
+                               intermediate_size=2880, num_layers=24, num_heads=64,
+                               num_kv_heads=8, head_dim=64, num_experts=32, top_k=4,
+                               sliding_window=128, sliding_layers=tuple(range(0, 24, 2)),
+                               max_position_embeddings=131072, eos_id=200002, bos_id=-1,
+                               extra_eos_ids=(199999, 200012), dtype="bfloat16"),
+    "gpt-oss-120b": ModelConfig(**_GPT_OSS, vocab_size=201088, hidden_size=2880,
+                                intermediate_size=2880, num_layers=36, num_heads=64,
+                                num_kv_heads=8, head_dim=64, num_experts=128, top_k=4,
+                                sliding_window=128, sliding_layers=tuple(range(0, 36, 2)),
+                                max_position_embeddings=131072, eos_id=200002, bos_id=-1,
+                                extra_eos_ids=(199999, 200012), dtype="bfloat16"),
 }

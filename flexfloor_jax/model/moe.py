@@ -40,7 +40,7 @@ from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
 from flexfloor_jax.kernels.grouped_matmul import grouped_matmul
 from flexfloor_jax.kernels.permute import permute
 from flexfloor_jax.kernels.ragged_exchange import ragged_all_to_all
-from flexfloor_jax.model.transformer import Params, route
+from flexfloor_jax.model.transformer import EXPERT_BIAS_KEYS, MoEChoices, Params, glu, route
 from flexfloor_jax.runtime.mesh import mesh_axis
 
 EXCHANGES = ("all_to_all", "ragged")
@@ -72,6 +72,7 @@ class EPConfig:
   # 'all_to_all' exchange only (the ragged one sends no padding).
   capacity_buckets: tuple = ()
   exchange: str = "all_to_all"  # 'all_to_all' | 'ragged' (see the module docstring)
+  choices: MoEChoices = MoEChoices()  # the model's router/expert block choices (Mixtral's)
 
   def __post_init__(self):
     if self.exchange not in EXCHANGES:
@@ -103,13 +104,25 @@ def _pack(x_TD, slot_R, valid_R, pos_R, rows: int, ep: EPConfig):
   return permute(x_TD, src_S, impl=ep.backend, interpret=ep.interpret), slot_S
 
 
-def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig):
+def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig, biases=()):
+  """The grouped gate/up matmuls, the gated activation, the down matmul. `biases` (b1, b3, b2;
+  GPT-OSS): one row per expert slot, added to every row of the tiles of that slot (padding rows
+  too: nothing reads them back)."""
   # num_groups: the weights may be the stack of every layer's slots, the tiles reference one layer's
   kw: dict[str, Any] = dict(tile_m=ep.tile_m, impl=ep.backend, interpret=ep.interpret,
                             num_groups=ep.slots_per_worker)
   h1 = grouped_matmul(x_PD, w1, plan.tile_group, plan.num_tiles_used, **kw)
   h3 = grouped_matmul(x_PD, w3, plan.tile_group, plan.num_tiles_used, **kw)
-  return grouped_matmul(jax.nn.silu(h1) * h3, w2, plan.tile_group, plan.num_tiles_used, **kw)
+  if not biases:
+    h = glu(h1, h3, ep.choices)
+    return grouped_matmul(h, w2, plan.tile_group, plan.num_tiles_used, **kw)
+
+  def rows(b_GX):  # [groups, X] -> [P, X]: each tile's group's row, tile_m times
+    return jnp.repeat(jnp.take(b_GX, plan.tile_group, axis=0, mode="clip"), ep.tile_m, axis=0)
+
+  b1, b3, b2 = biases
+  h = glu(h1 + rows(b1), h3 + rows(b3), ep.choices)
+  return grouped_matmul(h, w2, plan.tile_group, plan.num_tiles_used, **kw) + rows(b2)
 
 
 def _exchange_capacities(cap: int, buckets) -> list[int]:
@@ -119,7 +132,9 @@ def _exchange_capacities(cap: int, buckets) -> list[int]:
 def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k, lp.get("route"))
+  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k, lp.get("route"),
+                                            normalize=ep.choices.norm_topk_prob,
+                                            kind=ep.choices.router, bias_E=lp.get("router_bias"))
 
   # Home side: token copies to their destination workers.
   slot_R = expert_to_slot_E[experts_TK].reshape(t * k)
@@ -212,7 +227,8 @@ def _expert_side(recv_RD, recv_slot_R, lp, ep: EPConfig):
     def stack(w):
       return w
 
-  y_PD = _expert_mlp(x_PD, stack(lp["w1"]), stack(lp["w3"]), stack(lp["w2"]), plan, ep)
+  biases = tuple(stack(lp[k]) for k in EXPERT_BIAS_KEYS if k in lp)
+  y_PD = _expert_mlp(x_PD, stack(lp["w1"]), stack(lp["w3"]), stack(lp["w2"]), plan, ep, biases)
   return permute(y_PD, plan.row_dst, **kw)
 
 

@@ -96,11 +96,14 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
     # [B, K, hd] values: li, page and offset are advanced indices split by a slice -> leading B
     ck = ck.at[li, :, page_B, off_B].set(k[:, 0], mode="drop")
     cv = cv.at[li, :, page_B, off_B].set(v[:, 0], mode="drop")
+    # the sinks only where the model has them: the Pallas kernels take none
+    sinks = {"sinks_H": lp["sinks"]} if cfg.attn_sinks else {}
     out_BHD = attention(q[:, 0], ck[li], cv[li], page_table_BM, lengths_B,
-                        sliding_window=cfg.sliding_window)
-    x = x + out_BHD.reshape(b, 1, -1) @ lp["wo"]
+                        sliding_window=tfm.layer_window(cfg, lp), **sinks)
+    x = x + tfm._attn_out(cfg, lp, out_BHD.reshape(b, 1, -1))
     x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)
     return (x, ck, cv), aux
 
-  (x, ck, cv), aux = tfm.scan_layers(layer, (x, cache.k_pages, cache.v_pages), params["layers"])
+  (x, ck, cv), aux = tfm.scan_layers(layer, (x, cache.k_pages, cache.v_pages),
+                                     tfm._layer_xs(params, cfg))
   return tfm._logits(params, cfg, x[:, 0]), PagedKVCache(ck, cv), aux

@@ -1,24 +1,32 @@
 """Parameter counts from a model's dimensions: the one formula that the model config
 (param_count), the memory floor and the simulator all use (numpy-free: the simulator imports it).
 
-Mixtral layout: per layer, attention (q and o over heads x head_dim, k and v over kv heads), a
-router (hidden x experts), two RMS norms, and per expert w1, w3 (hidden x ffn) and w2 (ffn x
-hidden); around the layers an embedding table, a final norm and an untied lm_head.
+Layout (Mixtral's, plus what other families' block choices add): per layer, attention (q and o
+over heads x head_dim, k and v over kv heads), a router (hidden x experts), two RMS norms, and
+per expert w1, w3 (hidden x ffn) and w2 (ffn x hidden); around the layers an embedding table, a
+final norm and an untied lm_head.
 """
 
 from __future__ import annotations
 
 
-def expert_params(hidden: int, ffn: int, layers: int) -> int:
-  """One expert over all layers (w1, w3, w2)."""
-  return 3 * layers * hidden * ffn
+def expert_params(hidden: int, ffn: int, layers: int, *, bias: bool = False) -> int:
+  """One expert over all layers (w1, w3, w2; with bias: their biases too, GPT-OSS)."""
+  return layers * (3 * hidden * ffn + ((2 * ffn + hidden) if bias else 0))
 
 
 def nonexpert_params(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                     head_dim: int, experts: int) -> int:
-  """Every weight but the experts': what each worker holds replicated."""
+                     head_dim: int, experts: int, *, qk_norm: bool = False,
+                     dense_ffn: int = 0, attn_bias: bool = False, sinks: bool = False,
+                     router_bias: bool = False) -> int:
+  """Every weight but the experts': what each worker holds replicated. qk_norm: a q and a k
+  RMSNorm weight over the head dim per layer (Qwen3-MoE); dense_ffn: a dense SwiGLU of that
+  width on every layer (the layout's stack, where some layers are dense); attn_bias, sinks,
+  router_bias: q/k/v/o biases, a sink logit per head, a router bias (GPT-OSS)."""
   d = hidden
-  attn = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2
-  return 2 * vocab * d + layers * (attn + d * experts + 2 * d) + d
+  attn = d * heads * head_dim * 2 + d * kv_heads * head_dim * 2 + (2 * head_dim if qk_norm else 0)
+  attn += ((heads + 2 * kv_heads) * head_dim + d if attn_bias else 0) + (heads if sinks else 0)
+  router = d * experts + (experts if router_bias else 0)
+  return 2 * vocab * d + layers * (attn + router + 2 * d + 3 * d * dense_ffn) + d
 
 

@@ -1,17 +1,30 @@
-"""Mixtral decoder as pure functions over a params pytree.
+"""The MoE decoder as pure functions over a params pytree, assembled from the block choices of
+the model config (model/config.py; a family's reader in model/families/ sets them).
 
-Computes what Hugging Face `MixtralForCausalLM` computes: RMSNorm, rotate-half RoPE, GQA with an
-explicit head_dim and optional sliding window, top-k router with a softmax over the selected
-logits, SwiGLU experts, untied lm_head.
+Mixtral's blocks compute what Hugging Face `MixtralForCausalLM` computes: RMSNorm, rotate-half
+RoPE, GQA with an explicit head_dim and optional sliding window, a router that takes the top-k of
+a softmax over every expert and renormalises, SwiGLU experts, untied lm_head. Other choices:
+per-head RMSNorm of q and k before RoPE (`qk_norm`), top-k weights left unnormalised
+(`norm_topk_prob=False`), dense SwiGLU layers in place of the MoE (`dense_layers`); q/k/v/o
+biases, a sink logit per head and sliding windows on some layers only (`attn_bias`,
+`attn_sinks`, `sliding_layers`), a router with a bias that takes the top-k logits and a softmax
+over them (`router='topk_softmax'`), experts with biases and the clamped SwiGLU
+(`expert_act='clamped_swiglu'`), YaRN RoPE (`yarn_factor`).
 
 Params are a nested dict (layers stacked on a leading axis and run with `lax.scan`):
   embed [V, D]; final_norm [D]; lm_head [D, V]
   layers: attn_norm [L, D]; wq [L, D, H*hd]; wk, wv [L, D, K*hd]; wo [L, H*hd, D]
           mlp_norm [L, D]; router [L, D, E]; w1, w3 [L, E, D, F]; w2 [L, E, F, D]
+          q_norm, k_norm [L, hd] (qk_norm only)
+          bq [L, H*hd]; bk, bv [L, K*hd]; bo [L, D] (attn_bias); sinks [L, H] (attn_sinks)
+          router_bias [L, E] (router_bias); b1, b3 [L, E, F]; b2 [L, E, D] (expert_bias)
+          dense_w1, dense_w3 [L, D, Fd]; dense_w2 [L, Fd, D] (dense_layers only: every layer
+          holds them, so that the stack keeps one shape; the MoE weights of a dense layer and
+          the dense weights of an MoE layer are never read)
 Expert weights may instead be in the expert-parallel *slot* layout [L, N*S, ...] (see moe.py);
 the MoE function passed in (`moe_fn`) decides how they are read. `PARAM_AXES` names every leaf's
 logical axes (runtime/mesh.py maps them to mesh axes: `param_specs`); `EXPERT_KEYS` are the expert
-stacks.
+stacks, `EXPERT_ARRAYS` those and their biases.
 
 The forward functions are written for one worker's local batch: under expert parallelism they run
 inside `shard_map` and only `moe_fn` communicates.
@@ -19,6 +32,7 @@ inside `shard_map` and only `moe_fn` communicates.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any, Literal, overload
@@ -26,6 +40,7 @@ from typing import Any, Literal, overload
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flexfloor_jax.model.config import ModelConfig
 from flexfloor_jax.runtime import mesh as mesh_lib
@@ -38,6 +53,9 @@ _NEG_INF = -1e30
 
 
 EXPERT_KEYS = ("w1", "w3", "w2")  # the expert stacks of `layers`, in (gate, up, down) order
+EXPERT_BIAS_KEYS = ("b1", "b3", "b2")  # their biases, where the model has them (expert_bias)
+# Every array with an expert axis (which expert parallelism shards), in that order.
+EXPERT_ARRAYS = EXPERT_KEYS + EXPERT_BIAS_KEYS
 
 # Logical axes of every params leaf, by leaf name (the layout above). The router's last dim is
 # every expert's logit, which each worker computes whole: not the sharded 'expert' axis.
@@ -55,6 +73,20 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w1": ("layer", "expert", "embed", "mlp"),
     "w3": ("layer", "expert", "embed", "mlp"),
     "w2": ("layer", "expert", "mlp", "embed"),
+    "q_norm": ("layer", None),
+    "k_norm": ("layer", None),
+    "dense_w1": ("layer", "embed", "mlp"),
+    "dense_w3": ("layer", "embed", "mlp"),
+    "dense_w2": ("layer", "mlp", "embed"),
+    "bq": ("layer", "heads"),
+    "bk": ("layer", "kv_heads"),
+    "bv": ("layer", "kv_heads"),
+    "bo": ("layer", "embed"),
+    "sinks": ("layer", None),
+    "router_bias": ("layer", None),
+    "b1": ("layer", "expert", "mlp"),
+    "b3": ("layer", "expert", "mlp"),
+    "b2": ("layer", "expert", "embed"),
 }
 
 
@@ -94,7 +126,7 @@ def scan_layers(fn, carry, layers: Params, *extra_xs, whole_experts: bool = True
   of the layer's own slice)."""
   if not whole_experts:
     return jax.lax.scan(lambda c, xs: fn(c, *xs), carry, (layers, *extra_xs))
-  experts = {k: layers[k] for k in EXPERT_KEYS if k in layers}
+  experts = {k: layers[k] for k in EXPERT_ARRAYS if k in layers}
   rest = {k: v for k, v in layers.items() if k not in experts}
   n = jax.tree.leaves(rest)[0].shape[0]
 
@@ -106,11 +138,12 @@ def scan_layers(fn, carry, layers: Params, *extra_xs, whole_experts: bool = True
 
 
 def layer_experts(lp: Params):
-  """(w1, w3, w2) of this layer: indexed from the whole stacks that scan_layers passes, or as
-  given when the caller passes one layer's weights (no 'layer' key)."""
+  """(w1, w3, w2[, b1, b3, b2]) of this layer: indexed from the whole stacks that scan_layers
+  passes, or as given when the caller passes one layer's weights (no 'layer' key)."""
+  keys = [k for k in EXPERT_ARRAYS if k in lp]
   if "layer" not in lp:
-    return tuple(lp[k] for k in EXPERT_KEYS)
-  return tuple(lp[k][lp["layer"]] for k in EXPERT_KEYS)
+    return tuple(lp[k] for k in keys)
+  return tuple(lp[k][lp["layer"]] for k in keys)
 
 
 def dtype_of(cfg: ModelConfig):
@@ -123,11 +156,25 @@ def dtype_of(cfg: ModelConfig):
 def _layer_shapes(cfg: ModelConfig) -> dict:
   d, f, e, h, k, hd, nl = (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts,
                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
-  return {
+  shapes = {
       "attn_norm": (nl, d), "wq": (nl, d, h * hd), "wk": (nl, d, k * hd), "wv": (nl, d, k * hd),
       "wo": (nl, h * hd, d), "mlp_norm": (nl, d), "router": (nl, d, e), "w1": (nl, e, d, f),
       "w3": (nl, e, d, f), "w2": (nl, e, f, d),
   }
+  if cfg.qk_norm:
+    shapes.update(q_norm=(nl, hd), k_norm=(nl, hd))
+  if cfg.dense_layers:
+    fd = cfg.dense_intermediate_size
+    shapes.update(dense_w1=(nl, d, fd), dense_w3=(nl, d, fd), dense_w2=(nl, fd, d))
+  if cfg.attn_bias:
+    shapes.update(bq=(nl, h * hd), bk=(nl, k * hd), bv=(nl, k * hd), bo=(nl, d))
+  if cfg.attn_sinks:
+    shapes.update(sinks=(nl, h))
+  if cfg.router_bias:
+    shapes.update(router_bias=(nl, e))
+  if cfg.expert_bias:
+    shapes.update(b1=(nl, e, f), b3=(nl, e, f), b2=(nl, e, d))
+  return shapes
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
@@ -178,20 +225,51 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
   return w * y.astype(x.dtype)
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-  """Rotate-half RoPE (the Hugging Face layout: q/k need no permutation)."""
+def yarn_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+  """YaRN's inverse frequencies [hd/2] and the scale of cos and sin (the paper's mscale,
+  0.1 ln(factor) + 1): dims that turn fewer than beta_slow times over the pre-training length
+  are interpolated by the factor, more than beta_fast times kept, a linear ramp between."""
+  hd, base, factor = cfg.head_dim, cfg.rope_theta, cfg.yarn_factor
+  pos_freqs = np.float32(base) ** (np.arange(0, hd, 2, dtype=np.float32) / np.float32(hd))
+
+  def dim_of(rotations):  # the dim that turns `rotations` times over the original length
+    return hd * math.log(cfg.yarn_original_max_position / (rotations * 2 * math.pi)) / (
+        2 * math.log(base))
+
+  low, high = dim_of(cfg.yarn_beta_fast), dim_of(cfg.yarn_beta_slow)
+  if cfg.yarn_truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, hd - 1)
+  high = high + 0.001 if low == high else high  # a zero-width ramp
+  ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency)
+  inv_freq = (1 / (factor * pos_freqs)) * (1 - keep) + (1 / pos_freqs) * keep
+  scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+  return inv_freq.astype(np.float32), scale
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
+         yarn: tuple[np.ndarray, float] | None = None) -> jax.Array:
+  """Rotate-half RoPE (the Hugging Face layout: q/k need no permutation). `yarn`: the inverse
+  frequencies and cos/sin scale of YaRN scaling (yarn_frequencies) instead of theta's."""
   hd = x_BTNH.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  if yarn is None:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+  else:
+    inv_freq = jnp.asarray(yarn[0])
   freqs = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb).astype(x_BTNH.dtype), jnp.sin(emb).astype(x_BTNH.dtype)
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  if yarn is not None:
+    cos, sin = cos * yarn[1], sin * yarn[1]
+  cos, sin = cos.astype(x_BTNH.dtype), sin.astype(x_BTNH.dtype)
   x1, x2 = x_BTNH[..., : hd // 2], x_BTNH[..., hd // 2:]
   rotated = jnp.concatenate([-x2, x1], axis=-1)
   return x_BTNH * cos + rotated * sin
 
 
 def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array, k_valid_BS: jax.Array,
-                   sliding_window: int | None) -> jax.Array:
+                   sliding_window: int | jax.Array | None) -> jax.Array:
   """[B, T, S] bool: causal, valid keys only, and within the sliding window if any."""
   q = q_pos_BT[:, :, None]
   kp = k_pos_BS[:, None, :]
@@ -202,22 +280,58 @@ def attention_mask(q_pos_BT: jax.Array, k_pos_BS: jax.Array, k_valid_BS: jax.Arr
 
 
 def attend(q_BTHD: jax.Array, k_BSKD: jax.Array, v_BSKD: jax.Array,
-           mask_BTS: jax.Array) -> jax.Array:
-  """GQA attention, softmax in fp32. Per-sequence math only: batch rows never mix."""
+           mask_BTS: jax.Array, sinks_H: jax.Array | None = None) -> jax.Array:
+  """GQA attention, softmax in fp32. Per-sequence math only: batch rows never mix. `sinks_H`:
+  a logit per head that joins the softmax's denominator and attends to nothing (GPT-OSS)."""
   b, t, h, hd = q_BTHD.shape
   kh = k_BSKD.shape[2]
   q = q_BTHD.reshape(b, t, kh, h // kh, hd)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD).astype(jnp.float32) / math.sqrt(hd)
   scores = jnp.where(mask_BTS[:, None, None], scores, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+  if sinks_H is None:
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKD.dtype)
+  else:
+    # query head kv*g + j uses kv head kv: the sinks in the same (kv, group) order
+    sink = sinks_H.astype(jnp.float32).reshape(1, kh, h // kh, 1, 1)
+    top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - top)
+    probs = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(v_BSKD.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD)
   return out.reshape(b, t, h * hd)
 
 
-def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, replay_TK=None):
-  """Top-k routing as HF Mixtral: softmax over all logits in fp32, top-k, renormalise.
-  `replay_TK` (routing replay): use these experts instead of the top-k, weighted by the current
-  router's probabilities of them, renormalised (equal to the top-k path when they coincide)."""
+@dataclasses.dataclass(frozen=True)
+class MoEChoices:
+  """The block choices the expert-parallel layer needs beside shapes (EPConfig carries them)."""
+  norm_topk_prob: bool = True
+  router: str = "softmax_topk"  # ModelConfig.router
+  expert_act: str = "swiglu"  # ModelConfig.expert_act
+  swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
+
+  @classmethod
+  def of(cls, cfg: ModelConfig) -> MoEChoices:
+    return cls(norm_topk_prob=cfg.norm_topk_prob, router=cfg.router, expert_act=cfg.expert_act,
+               swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+
+
+def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, replay_TK=None, *,
+          normalize: bool = True, kind: str = "softmax_topk", bias_E: jax.Array | None = None):
+  """Top-k routing. kind 'softmax_topk' (HF Mixtral, Qwen3-MoE): softmax over all logits in
+  fp32, top-k, renormalised when `normalize` (Qwen3's norm_topk_prob). 'topk_softmax' (GPT-OSS):
+  the logits (with `bias_E`) in the input's dtype, their top-k, a softmax over those k.
+  `replay_TK` (routing replay): use these experts instead of the top-k, weighted as the current
+  router weighs them (equal to the top-k path when they coincide)."""
+  if kind == "topk_softmax":
+    logits_TE = x_TD @ router_DE + (0 if bias_E is None else bias_E)
+    if replay_TK is None:
+      top_TK, experts_TK = jax.lax.top_k(logits_TE, top_k)
+    else:
+      experts_TK = replay_TK.astype(jnp.int32)
+      top_TK = jnp.take_along_axis(logits_TE, experts_TK, axis=-1)
+    weights_TK = jax.nn.softmax(top_TK, axis=-1)
+    return logits_TE.astype(jnp.float32), weights_TK.astype(x_TD.dtype), experts_TK.astype(
+        jnp.int32)
   logits_TE = (x_TD @ router_DE).astype(jnp.float32)
   probs_TE = jax.nn.softmax(logits_TE, axis=-1)
   if replay_TK is None:
@@ -225,19 +339,39 @@ def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, replay_TK=None):
   else:
     experts_TK = replay_TK.astype(jnp.int32)
     weights_TK = jnp.take_along_axis(probs_TE, experts_TK, axis=-1)
-  weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+  if normalize:
+    weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
   return logits_TE, weights_TK.astype(x_TD.dtype), experts_TK.astype(jnp.int32)
 
 
-def expert_ffn(x_TD: jax.Array, w1_DF: jax.Array, w3_DF: jax.Array, w2_FD: jax.Array) -> jax.Array:
-  return (jax.nn.silu(x_TD @ w1_DF) * (x_TD @ w3_DF)) @ w2_FD
+def glu(h1: jax.Array, h3: jax.Array, choices: MoEChoices = MoEChoices()) -> jax.Array:
+  """The experts' gated activation of gate h1 and up h3: SwiGLU, or GPT-OSS's clamped form."""
+  if choices.expert_act == "swiglu":
+    return jax.nn.silu(h1) * h3
+  limit = choices.swiglu_limit
+  gate = jnp.minimum(h1, limit)
+  up = jnp.clip(h3, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(choices.swiglu_alpha * gate))
 
 
-def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_k: int):
+def expert_ffn(x_TD: jax.Array, w1_DF: jax.Array, w3_DF: jax.Array, w2_FD: jax.Array,
+               *biases: jax.Array, choices: MoEChoices = MoEChoices()):
+  """One expert on every row; `biases` (b1, b3, b2) where the experts have them."""
+  if not biases:
+    return glu(x_TD @ w1_DF, x_TD @ w3_DF, choices) @ w2_FD
+  b1_F, b3_F, b2_D = biases
+  return glu(x_TD @ w1_DF + b1_F, x_TD @ w3_DF + b3_F, choices) @ w2_FD + b2_D
+
+
+def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_k: int,
+                        choices: MoEChoices = MoEChoices()):
   """Every expert on every token, weighted by the router: exact and simple, E times the work."""
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k, lp.get("route"))
+  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k, lp.get("route"),
+                                            normalize=choices.norm_topk_prob,
+                                            kind=choices.router, bias_E=lp.get("router_bias"))
   e = lp["router"].shape[-1]
-  y_ETD = jax.vmap(expert_ffn, in_axes=(None, 0, 0, 0))(x_TD, *layer_experts(lp))
+  weights = layer_experts(lp)
+  y_ETD = jax.vmap(lambda *w: expert_ffn(x_TD, *w, choices=choices))(*weights)
   y_TKD = jnp.take_along_axis(jnp.moveaxis(y_ETD, 0, 1), experts_TK[:, :, None], axis=1)
   y_TD = jnp.zeros_like(x_TD, dtype=jnp.float32)
   for j in range(top_k):  # fixed k order
@@ -249,16 +383,68 @@ def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_
 
 
 def default_moe_fn(cfg: ModelConfig) -> MoEFn:
-  return lambda x, lp, valid: moe_dense_reference(x, lp, valid, top_k=cfg.top_k)
+  choices = MoEChoices.of(cfg)
+  return lambda x, lp, valid: moe_dense_reference(x, lp, valid, top_k=cfg.top_k, choices=choices)
 
 
 def _qkv(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, pos_BT: jax.Array):
   b, t, _ = x_BTD.shape
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_eps)
-  q = (h @ lp["wq"]).reshape(b, t, cfg.num_heads, cfg.head_dim)
-  k = (h @ lp["wk"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-  v = (h @ lp["wv"]).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-  return rope(q, pos_BT, cfg.rope_theta), rope(k, pos_BT, cfg.rope_theta), v
+  q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
+  if cfg.attn_bias:
+    q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+  q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+  k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+  if cfg.qk_norm:  # per head, over the head dim, before RoPE (what the cache then holds)
+    q = rms_norm(q, lp["q_norm"], cfg.rms_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.rms_eps)
+  yarn = yarn_frequencies(cfg) if cfg.yarn_factor else None
+  return rope(q, pos_BT, cfg.rope_theta, yarn), rope(k, pos_BT, cfg.rope_theta, yarn), v
+
+
+def _attn_out(cfg: ModelConfig, lp: Params, out_BTX: jax.Array) -> jax.Array:
+  """The attention output's projection (with its bias where the model has one)."""
+  y = out_BTX @ lp["wo"]
+  return y + lp["bo"] if cfg.attn_bias else y
+
+
+def _sinks(cfg: ModelConfig, lp: Params):
+  return lp["sinks"] if cfg.attn_sinks else None
+
+
+def _layer_mask(cfg: ModelConfig, q_pos, k_pos, k_valid):
+  """lp -> the layer's [B, T, S] mask. One mask for every layer unless only some layers slide
+  (sliding_layers): then both, and each layer picks by its flag."""
+  if not cfg.sliding_layers:
+    mask = attention_mask(q_pos, k_pos, k_valid, cfg.sliding_window)
+    return lambda lp: mask
+  full = attention_mask(q_pos, k_pos, k_valid, None)
+  window = attention_mask(q_pos, k_pos, k_valid, cfg.sliding_window)
+  return lambda lp: jnp.where(lp["is_sliding"], window, full)
+
+
+# A window no position reaches: what a full-attention layer passes where windows are per layer.
+NO_WINDOW = 2**30
+
+
+def layer_window(cfg: ModelConfig, lp: Params):
+  """The sliding window this layer reads: static (None or the model's) unless only some layers
+  slide, then traced from the layer's flag (NO_WINDOW for a full-attention layer)."""
+  if not cfg.sliding_layers or cfg.sliding_window is None:
+    return cfg.sliding_window
+  return jnp.where(lp["is_sliding"], cfg.sliding_window, NO_WINDOW)
+
+
+def _layer_xs(params: Params, cfg: ModelConfig) -> Params:
+  """The per-layer inputs of the layer scan: the layer weights, plus a flag per layer saying
+  which MLP it runs (models with dense layers) and whether it slides (models where only some
+  layers do)."""
+  xs = params["layers"]
+  for key, layers in (("is_dense", cfg.dense_layers), ("is_sliding", cfg.sliding_layers)):
+    if layers:
+      xs = {**xs, key: jnp.zeros((cfg.num_layers,), bool).at[jnp.asarray(layers)].set(True)}
+  return xs
 
 
 def _mlp(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, valid_BT: jax.Array, moe_fn: MoEFn):
@@ -266,7 +452,21 @@ def _mlp(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, valid_BT: jax.Array, mo
   h = rms_norm(x_BTD, lp["mlp_norm"], cfg.rms_eps)
   if "route" in lp:  # routing replay: this layer's recorded experts [B, T, K]
     lp = {**lp, "route": lp["route"].reshape(b * t, -1)}
-  y, aux = moe_fn(h.reshape(b * t, d), lp, valid_BT.reshape(b * t))
+  h_TD, valid_T = h.reshape(b * t, d), valid_BT.reshape(b * t)
+  if not cfg.dense_layers:
+    y, aux = moe_fn(h_TD, lp, valid_T)
+  else:
+    # One branch per layer, the same on every worker (the flag is the layer's), so the MoE's
+    # exchanges run on all workers or on none. A dense layer routes nothing: its aux is zeros
+    # of the MoE's shapes (no expert counted, expert 0 recorded for routing replay, unused).
+    def dense(h_TD):
+      y = expert_ffn(h_TD, lp["dense_w1"], lp["dense_w3"], lp["dense_w2"])
+      e = lp["router"].shape[-1]
+      return y, {"router_logits": jnp.zeros((b * t, e), jnp.float32),
+                 "experts": jnp.zeros((b * t, cfg.top_k), jnp.int32),
+                 "expert_counts": jnp.zeros((e,), jnp.int32)}
+
+    y, aux = jax.lax.cond(lp["is_dense"], dense, lambda h_TD: moe_fn(h_TD, lp, valid_T), h_TD)
   return x_BTD + y.reshape(b, t, d), aux
 
 
@@ -302,15 +502,17 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
   if valid_BT is None:
     valid_BT = jnp.ones((b, t), bool)
   pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  mask = attention_mask(pos_BT, pos_BT, valid_BT, cfg.sliding_window)
+  mask = _layer_mask(cfg, pos_BT, pos_BT, valid_BT)
   x = params["embed"][tokens_BT]
 
   def layer(x, lp):
     q, k, v = _qkv(cfg, lp, x, pos_BT)
-    x = x + attend(q, k, v, mask) @ lp["wo"]
+    x = x + _attn_out(cfg, lp, attend(q, k, v, mask(lp), _sinks(cfg, lp)))
     return _mlp(cfg, lp, x, valid_BT, moe_fn)
 
-  layers = params["layers"] if route_LBTK is None else {**params["layers"], "route": route_LBTK}
+  layers = _layer_xs(params, cfg)
+  if route_LBTK is not None:
+    layers = {**layers, "route": route_LBTK}
   x, aux = scan_layers(layer, x, layers, whole_experts=False)
   logits = _logits(params, cfg, x)
   return (logits, aux, x) if return_hidden else (logits, aux)
@@ -341,16 +543,16 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lengths_B: j
   b, t = tokens_BT.shape
   pos_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BT = pos_BT < lengths_B[:, None]
-  mask = attention_mask(pos_BT, pos_BT, valid_BT, cfg.sliding_window)
+  mask = _layer_mask(cfg, pos_BT, pos_BT, valid_BT)
   x = params["embed"][tokens_BT]
 
   def layer(x, lp):
     q, k, v = _qkv(cfg, lp, x, pos_BT)
-    x = x + attend(q, k, v, mask) @ lp["wo"]
+    x = x + _attn_out(cfg, lp, attend(q, k, v, mask(lp), _sinks(cfg, lp)))
     x, aux = _mlp(cfg, lp, x, valid_BT, moe_fn)
     return x, (k, v, aux)
 
-  x, (k, v, aux) = scan_layers(layer, x, params["layers"])
+  x, (k, v, aux) = scan_layers(layer, x, _layer_xs(params, cfg))
   last = jnp.take_along_axis(x, jnp.maximum(lengths_B - 1, 0)[:, None, None], axis=1)[:, 0]
   return _logits(params, cfg, last), k, v, aux
 
@@ -375,7 +577,7 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
   s = cache.length
   pos_B1 = positions_B[:, None]
   k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  mask = attention_mask(pos_B1, k_pos_BS, jnp.ones((b, s), bool), cfg.sliding_window)
+  mask = _layer_mask(cfg, pos_B1, k_pos_BS, jnp.ones((b, s), bool))
   x = params["embed"][tokens_B][:, None]
   rows = jnp.arange(b)
 
@@ -385,9 +587,9 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
     q, k, v = _qkv(cfg, lp, x, pos_B1)
     ck = ck.at[li, rows, positions_B].set(k[:, 0])
     cv = cv.at[li, rows, positions_B].set(v[:, 0])
-    x = x + attend(q, ck[li], cv[li], mask) @ lp["wo"]
+    x = x + _attn_out(cfg, lp, attend(q, ck[li], cv[li], mask(lp), _sinks(cfg, lp)))
     x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
     return (x, ck, cv), aux
 
-  (x, ck, cv), aux = scan_layers(layer, (x, cache.k, cache.v), params["layers"])
+  (x, ck, cv), aux = scan_layers(layer, (x, cache.k, cache.v), _layer_xs(params, cfg))
   return _logits(params, cfg, x[:, 0]), KVCache(ck, cv), aux

@@ -52,7 +52,8 @@ class ActorSpec:
     impl, interpret = resolve_moe_backend(self.moe_backend, jax.default_backend())
     return EPConfig(num_workers=self.num_workers, slots_per_worker=e // self.num_workers,
                     top_k=self.cfg.top_k, tile_m=self.tile_m, chunk_tokens=self.chunk_tokens,
-                    backend=impl, interpret=interpret or self.interpret)
+                    backend=impl, interpret=interpret or self.interpret,
+                    choices=tfm.MoEChoices.of(self.cfg))
 
 
 def shard_params(params, mesh):

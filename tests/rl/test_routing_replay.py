@@ -19,12 +19,21 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 
 CFG = PRESETS["tiny"].replace(num_layers=2)
 TOL = 1e-4  # ep path vs dense reference: another implementation
+# The other families' tiny presets at top-8 of 16 experts (their published k), 2 layers: Qwen3's
+# softmax router with and without renormalisation, GPT-OSS's biased top-k-then-softmax.
+FAMILY_CFGS = {
+    "mixtral": CFG,
+    "qwen3": PRESETS["qwen3-tiny"].replace(num_layers=2, top_k=8),
+    "qwen3-unnormalised": PRESETS["qwen3-tiny"].replace(num_layers=2, top_k=8,
+                                                        norm_topk_prob=False),
+    "gpt-oss": PRESETS["gpt-oss-tiny"].replace(num_layers=2, top_k=8, sliding_layers=(0,)),
+}
 
 
-def _inputs(seed):
+def _inputs(seed, cfg=CFG):
   k1, k2 = jax.random.split(jax.random.key(seed))
-  params = tfm.init_params(CFG, k1, scale=0.1)
-  tokens = jax.random.randint(k2, (8, 12), 0, CFG.vocab_size)
+  params = tfm.init_params(cfg, k1, scale=0.1)
+  tokens = jax.random.randint(k2, (8, 12), 0, cfg.vocab_size)
   valid = jnp.arange(12)[None, :] < jnp.array([12, 9, 12, 5, 12, 12, 7, 12])[:, None]
   return params, tokens, valid
 
@@ -34,35 +43,39 @@ def _logp(logits, tokens):
   return np.asarray(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0])
 
 
-def test_replaying_own_routing_is_bitwise_identity():
-  params, tokens, valid = _inputs(0)
-  logits, aux = tfm.forward(params, CFG, tokens, valid_BT=valid)
-  route_LBTK = aux["experts"].reshape(CFG.num_layers, *tokens.shape, CFG.top_k)
-  replayed, aux2 = tfm.forward(params, CFG, tokens, valid_BT=valid, route_LBTK=route_LBTK)
+@pytest.mark.parametrize("name", list(FAMILY_CFGS))
+def test_replaying_own_routing_is_bitwise_identity(name):
+  cfg = FAMILY_CFGS[name]
+  params, tokens, valid = _inputs(0, cfg)
+  logits, aux = tfm.forward(params, cfg, tokens, valid_BT=valid)
+  route_LBTK = aux["experts"].reshape(cfg.num_layers, *tokens.shape, cfg.top_k)
+  replayed, aux2 = tfm.forward(params, cfg, tokens, valid_BT=valid, route_LBTK=route_LBTK)
   assert np.array_equal(np.asarray(logits), np.asarray(replayed))
   assert np.array_equal(np.asarray(aux["experts"]), np.asarray(aux2["experts"]))
 
 
 @pytest.mark.user_flags
-def test_replayed_routing_ep_equals_dense_reference():
-  params, tokens, valid = _inputs(1)
-  _, aux = tfm.forward(params, CFG, tokens, valid_BT=valid)
-  own = np.asarray(aux["experts"]).reshape(CFG.num_layers, 8, 12, CFG.top_k)
+@pytest.mark.parametrize("name", list(FAMILY_CFGS))
+def test_replayed_routing_ep_equals_dense_reference(name):
+  cfg = FAMILY_CFGS[name]
+  params, tokens, valid = _inputs(1, cfg)
+  _, aux = tfm.forward(params, cfg, tokens, valid_BT=valid)
+  own = np.asarray(aux["experts"]).reshape(cfg.num_layers, 8, 12, cfg.top_k)
   # another routing: k distinct experts per token, drawn at random
   rng = np.random.default_rng(2)
-  other = np.stack([rng.permutation(CFG.num_experts)[:CFG.top_k]
-                    for _ in range(own.size // CFG.top_k)]).reshape(own.shape).astype(np.int32)
+  other = np.stack([rng.permutation(cfg.num_experts)[:cfg.top_k]
+                    for _ in range(own.size // cfg.top_k)]).reshape(own.shape).astype(np.int32)
   assert (np.sort(other, -1) != np.sort(own, -1)).any(-1).mean() > 0.5
-  logits_ref, aux_ref = tfm.forward(params, CFG, tokens, valid_BT=valid,
+  logits_ref, aux_ref = tfm.forward(params, cfg, tokens, valid_BT=valid,
                                     route_LBTK=jnp.asarray(other))
   assert np.array_equal(np.asarray(aux_ref["experts"]).reshape(other.shape), other)
-  logits_own, _ = tfm.forward(params, CFG, tokens, valid_BT=valid)
+  logits_own, _ = tfm.forward(params, cfg, tokens, valid_BT=valid)
   ref = _logp(logits_ref, tokens)
   m = np.asarray(valid[:, 1:])
   assert np.abs(ref - _logp(logits_own, tokens))[m].max() > 1e-3  # the replay changes the model
 
   mesh = mesh_lib.make_ep_mesh(jax.devices())
-  a = actor.Actor(actor.ActorSpec(CFG, 8, temperature=1.0), mesh, None)
+  a = actor.Actor(actor.ActorSpec(cfg, 8, temperature=1.0), mesh, None)
   p = actor.shard_params(params, mesh)
   got = np.asarray(a.logprobs(p, tokens, valid, np.transpose(other, (1, 2, 0, 3))))
   diff = np.abs(got - ref)[m].max()

@@ -39,7 +39,10 @@ def _run(cmd, timeout):
 
 
 def _rollout(out, schedule, processes, options=SMALL, timeout=400):
-  args = [sys.executable, "-m", "flexfloor_jax.rollout", "--config=configs/mixtral.py", *options,
+  """`options` may name another config file (--config=...; default configs/mixtral.py)."""
+  named = any(o.startswith("--config=") for o in options)
+  config = [] if named else ["--config=configs/mixtral.py"]
+  args = [sys.executable, "-m", "flexfloor_jax.rollout", *config, *options,
           f"--config.schedule={schedule}", f"--config.rollout.output_dir={out}"]
   if processes == 1:
     return _run(args + ["--config.mesh.cpu_devices=8"], timeout=timeout)
@@ -145,3 +148,26 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
   assert s2["device_steps"] < 8 * s2["makespan_steps"]
   for k in (0, 1):
     assert os.path.isfile(os.path.join(two, f"process_{k}.log"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_two_processes_match_one_for_each_family(family, tmp_path):
+  """The other families' tiny presets (configs/qwen3_moe.py, configs/gpt_oss.py) on the
+  fixed-slot cache, flexfloor 8 -> 2 -> 1 across the host boundary: token- and log-prob-identical
+  to one process, with the same releases."""
+  options = [*SMALL, "--config.rollout.samples_per_prompt=4",
+             "--config.rollout.max_new_tokens=16"]
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  args = [f"--config=configs/{family}.py", *options]
+  _, t1 = _rollout(one, "flexfloor", 1, args)
+  proc, t2 = _rollout(two, "flexfloor", 2, args)
+  print(f"{family} flexfloor: 1 process {t1:.1f}s, 2 processes {t2:.1f}s")
+  ref, s1 = _load(one)
+  got, s2 = _load(two)
+  _assert_same_responses(ref, got)
+  assert s1["generated_tokens"] == s2["generated_tokens"] > 0
+  assert len(s1["releases"]) >= 1
+  assert [(r["workers"], r["final"]) for r in s2["releases"]] == \
+      [(r["workers"], r["final"]) for r in s1["releases"]]
+  _assert_process_logs(two, proc)

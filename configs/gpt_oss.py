@@ -1,0 +1,28 @@
+"""GPT-OSS rollout config:
+`python -m flexfloor_jax.rollout --config=configs/gpt_oss.py[:preset]`.
+
+Presets: tiny (default; the gpt-oss-tiny model: attention biases and sinks, sliding and full
+layers, YaRN, 16 experts with biases and the clamped SwiGLU, top-4, random init; runs on a laptop
+CPU with emulated devices), 20b, 120b (published dimensions; TPU/GPU with a checkpoint, whose
+config.json then decides every dimension; MXFP4 experts are dequantized on load). Every field is
+that of configs/mixtral.py; override any with --config.section.field=value.
+"""
+
+import ml_collections
+
+from flexfloor_jax.config.files import load_config
+
+PRESETS = {"tiny": "gpt-oss-tiny", "20b": "gpt-oss-20b", "120b": "gpt-oss-120b"}
+
+
+def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
+  preset = preset or "tiny"
+  # The model presets' own names are accepted too (python -m flexfloor_jax.memory passes them).
+  name = PRESETS.get(preset, preset)
+  if name not in PRESETS.values():
+    raise ValueError(f"unknown preset {preset!r} for configs/gpt_oss.py; choose one of "
+                     f"{tuple(PRESETS)}")
+  # The Mixtral config of the same scale: its rollout, mesh and scheduler fields.
+  c = load_config("mixtral", "tiny" if name == "gpt-oss-tiny" else "8x7b")
+  c.preset = name
+  return c
