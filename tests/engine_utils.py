@@ -198,6 +198,16 @@ def rollout_config():
   return c
 
 
+def tailed_rollout_config():
+  """rollout_config() with a long-tailed workload (median 12 of 32 new tokens): the same compiled
+  shapes, and workers finish their own responses one by one, so the group shrinks in every step
+  and released devices have finished responses to score (the library API's tests)."""
+  c = rollout_config()
+  c.workload.median = 12.0
+  c.workload.sigma = 0.8
+  return c
+
+
 def rollout_spec(cfg, **changes) -> engine_lib.EngineSpec:
   """The EngineSpec that runner.run builds for rollout_config() with flexfloor on 8 devices
   (floor 1: 8 expert slots per worker), with `changes`: an engine a test builds by hand on it

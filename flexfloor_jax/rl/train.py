@@ -1,6 +1,7 @@
 """GRPO on the elastic rollout: `python -m flexfloor_jax.rl.train --config=configs/grpo.py`.
 
-Each step: rollout (runner.run with the current params, schedule from the config, group size =
+Each step: rollout (the library API's RolloutEngine, kept across the steps: update_params with
+the current params, then generate; schedule from the config, group size =
 rollout.samples_per_prompt, lengths='model', the length history passed in and updated) -> rewards
 -> group-normalised advantages -> log-probs recomputed by the training forward on all devices ->
 clipped PG + optional KL (k3) + MoE aux loss -> grad clip + AdamW -> weight sync (params
@@ -23,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+from flexfloor_jax import api
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.config import cli, settings
 from flexfloor_jax.config.cli import fail
@@ -41,7 +43,6 @@ from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.rl.checkpoints import TrainError
 from flexfloor_jax.rl.loss import group_advantages
 from flexfloor_jax.rl.reuse import ReleasedScorer, sequence_row
-from flexfloor_jax.rollout import runner
 from flexfloor_jax.runtime import mesh as mesh_lib
 from flexfloor_jax.runtime.backend import enable_compilation_cache
 
@@ -268,6 +269,14 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
   # compiled steps kept across the steps' rollouts
   pool = step_cache if step_cache is not None else engine_lib.StepCachePool()
   rollout_params = actor_lib.replicate(params, mesh)
+  # The library API's engine, kept across the steps with the run's history (saved here, with
+  # the checkpoints); the task ids stay the prompts' identities (history, sampling keys).
+  rollout = api.RolloutEngine(
+      st.replace(rollout=dict(output_dir=out, record_routes=rl.routing_replay),
+                 scheduler=dict(history_path="")),
+      rollout_params, tokenizer, devices=devices, model_cfg=model_cfg, history=history,
+      step_cache=pool)
+  task_ids = [r["id"] for r in rows]
   # Released workers score finished responses during the rollout (flexfloor; one process).
   scorer = None
   if (rl.released_logprobs and not rl.routing_replay and st.schedule == "flexfloor"
@@ -278,14 +287,13 @@ def _train(config, st: settings.Settings, *, stop_after: int | None, progress: b
       scorer.wait_compiled()
   for step in range(start + 1, train_st.steps + 1):
     t_step = time.perf_counter()
-    c = st.replace(rollout=dict(prompts=prompts_path, epoch=step - 1, output_dir=out,
-                                record_routes=rl.routing_replay))
     t0 = time.perf_counter()
     if scorer is not None:
       scorer.reset(params, prompt_tokens)
-    res = runner.run(c, devices=devices, params=rollout_params, model_cfg=model_cfg,
-                     tokenizer=tokenizer, write_outputs=False, history=history,
-                     progress=progress, on_release=scorer and scorer.on_release, step_cache=pool)
+    rollout.update_params(rollout_params)
+    res = rollout.generate([prompt_tokens[i] for i in task_ids], prompt_ids=task_ids,
+                           step=step - 1, on_release=scorer and scorer.on_release,
+                           progress=progress)
     t_gen = time.perf_counter() - t0
     history.save(history_path)
     resp = res.responses

@@ -107,8 +107,10 @@ class Built:
 
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         write_outputs: bool = True, history: LengthHistory | None = None,
-        step_cache=None, progress: bool = True, on_release=None) -> RolloutResult:
-  """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop).
+        step_cache=None, progress: bool = True, on_release=None,
+        prompts: list[Prompt] | None = None) -> RolloutResult:
+  """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop);
+  `prompts` (in memory, the library API) replace rollout.prompts.
   `step_cache`: an engine.StepCache (the caller's; kept open) or an engine.StepCachePool (the
   cache of this run's spec is taken from it, and kept there for the next run).
   `on_release(devices, finished)`: called right after each release with the released devices and
@@ -126,7 +128,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   lock = lock_output_dir(config) if write_outputs and jax.process_index() == 0 else None
   try:
     prep = prepare(config, devices=devices, model_cfg=model_cfg, tokenizer=tokenizer,
-                   history=history)
+                   history=history, prompts=prompts)
     built = build_engine(config, prep, params=params, step_cache=step_cache)
     try:
       policy, waited, wait_s = wait_for_compiles(config, prep, built)
@@ -151,11 +153,11 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
 
 def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenizer=None,
-            history: LengthHistory | None = None) -> Prepared:
-  """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts and
-  their checks, sequences, length history, floor, release sizes, placement and schedule."""
-
-
+            history: LengthHistory | None = None,
+            prompts: list[Prompt] | None = None) -> Prepared:
+  """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts (read
+  from rollout.prompts unless given) and their checks, sequences, length history, floor, release
+  sizes, placement and schedule."""
   r = config.rollout
   if model_cfg is None:
     model_cfg = model_config(config)
@@ -164,7 +166,8 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   if config.model.attention_backend == "pallas" and model_cfg.sliding_window:
     raise RolloutError(f"model.attention_backend: 'pallas' takes no sliding window (the model's "
                        f"is {model_cfg.sliding_window} tokens); use 'xla'")
-  prompts = load_prompts(config, tokenizer, model_cfg.bos_id)
+  if prompts is None:
+    prompts = load_prompts(config, tokenizer, model_cfg.bos_id)
   seq_len = resolve_max_seq_len(config, prompts, model_cfg)
   check_prompts(config, prompts, model_cfg, seq_len)
   mode = resolve_lengths_mode(config)
@@ -232,6 +235,17 @@ def engine_spec(config: settings.Settings, prep: Prepared):
       num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0)
 
 
+def load_params(config: settings.Settings, model_cfg) -> tfm.Params:
+  """model.checkpoint's params in the model's dtype, or a random init (model.init_seed)."""
+  if config.model.checkpoint:
+    loaded = ckpt.load_checkpoint(config.model.checkpoint, model_cfg)
+    assert loaded is not None  # None only for an empty path
+    _, params = loaded
+    return jax.tree.map(lambda x: x.astype(model_cfg.dtype), params)
+  return tfm.init_params(model_cfg, jax.random.key(config.model.init_seed),
+                         scale=config.model.init_scale)
+
+
 def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
                  step_cache=None) -> Built:
   """Params (loaded only now: every input check passed), the engine and its sequences; the
@@ -239,14 +253,7 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
   (policy/compile_plan.py), each with the movers of the devices its releases touch."""
   r, n = config.rollout, prep.num_workers
   if params is None:
-    if config.model.checkpoint:
-      loaded = ckpt.load_checkpoint(config.model.checkpoint, prep.model_cfg)
-      assert loaded is not None  # None only for an empty path
-      _, params = loaded
-      params = jax.tree.map(lambda x: x.astype(prep.model_cfg.dtype), params)
-    else:
-      params = tfm.init_params(prep.model_cfg, jax.random.key(config.model.init_seed),
-                               scale=config.model.init_scale)
+    params = load_params(config, prep.model_cfg)
   sizes = prep.release_sizes
   cplan = compile_plan.plan_compiles(
       prep.seqs, prep.queues, prep.policy, prep.pred_by_seq, num_workers=n,
