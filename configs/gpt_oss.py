@@ -10,19 +10,10 @@ that of configs/mixtral.py; override any with --config.section.field=value.
 
 import ml_collections
 
-from flexfloor_jax.config.files import load_config
+from flexfloor_jax.config.files import family_config
 
 PRESETS = {"tiny": "gpt-oss-tiny", "20b": "gpt-oss-20b", "120b": "gpt-oss-120b"}
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-  preset = preset or "tiny"
-  # The model presets' own names are accepted too (python -m flexfloor_jax.memory passes them).
-  name = PRESETS.get(preset, preset)
-  if name not in PRESETS.values():
-    raise ValueError(f"unknown preset {preset!r} for configs/gpt_oss.py; choose one of "
-                     f"{tuple(PRESETS)}")
-  # The Mixtral config of the same scale: its rollout, mesh and scheduler fields.
-  c = load_config("mixtral", "tiny" if name == "gpt-oss-tiny" else "8x7b")
-  c.preset = name
-  return c
+  return family_config("gpt_oss", PRESETS, preset)

@@ -18,3 +18,20 @@ def load_config(name: str, preset: str = ""):
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   return mod.get_config(preset)
+
+
+def family_config(name: str, presets: dict[str, str], preset: str = ""):
+  """A model family's config file (configs/<name>.py): the Mixtral config of the same scale (its
+  rollout, mesh and scheduler fields; configs/mixtral.py tiny for the family's tiny preset, 8x7b
+  for the full-size ones) with `preset` set to the family's model preset. `presets` maps the
+  file's preset names to model presets (the first is the tiny one, the default); the model
+  presets' own names are accepted too (python -m flexfloor_jax.memory passes them)."""
+  tiny = next(iter(presets))
+  preset = preset or tiny
+  model = presets.get(preset, preset)
+  if model not in presets.values():
+    raise ValueError(f"unknown preset {preset!r} for configs/{name}.py; choose one of "
+                     f"{tuple(presets)}")
+  c = load_config("mixtral", "tiny" if model == presets[tiny] else "8x7b")
+  c.preset = model
+  return c
