@@ -254,14 +254,21 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
                      workspace_bytes=workspace if f < ep else 0,
                      predicted_makespan_s=m["generation_wall_s"],
                      predicted_occupied_device_seconds=m["occupied_device_seconds"]))
-  # within the slack of the makespan at ep, and saving at least the share of device-seconds it
-  # costs in makespan (never 4% of throughput for 1% of device time)
+  pick = pick_floor(rows, slack)
+  return dict(floor=pick["floor"], pages=pick["pages"], candidates=rows)
+
+
+def pick_floor(rows: list[dict], slack: float) -> dict:
+  """The floor choice's rule over candidates (floor, predicted_makespan_s,
+  predicted_occupied_device_seconds; the last one the full group, which never releases): the
+  fewest occupied device-seconds among those within `slack` of the full group's makespan that
+  also save at least the share of device-seconds they cost in makespan (never 4% of throughput
+  for 1% of device time); ties to the larger floor."""
   ms_ep, occ_ep = rows[-1]["predicted_makespan_s"], rows[-1]["predicted_occupied_device_seconds"]
   ok = [r for r in rows if r["predicted_makespan_s"] <= (1.0 + slack) * ms_ep
         and r["predicted_makespan_s"] * r["predicted_occupied_device_seconds"]
         <= ms_ep * occ_ep * (1 + 1e-12)]
-  pick = min(ok, key=lambda r: (r["predicted_occupied_device_seconds"], -r["floor"]))
-  return dict(floor=pick["floor"], pages=pick["pages"], candidates=rows)
+  return min(ok, key=lambda r: (r["predicted_occupied_device_seconds"], -r["floor"]))
 
 
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,

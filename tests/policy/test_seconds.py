@@ -263,3 +263,28 @@ def test_dispatch_seconds_equal_the_sum_of_steps_where_a_step_is_linear():
   k = 35
   want = sum(step((rem > j).sum(1), ((ctx + j) * (rem > j)).sum(1)) for j in range(k))
   assert costs.dispatch_seconds(step, rem, ctx, k) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("per_row, small", [(1.0, False), (0.0, True)])
+def test_floor_choice_releases_only_where_packing_is_free_in_seconds(per_row, small):
+  """The floor choice (sim.cluster.pick_floor) over runs of the release policy on a hand table:
+  four workers of four slots, each with a response of 20 tokens and one of 200. Releasing below
+  four workers means moving the 200s together (or their queued starts: a few more prefill
+  rounds). When a second row on a
+  worker doubles its step, that makes every remaining step slower and no release pays, so every
+  floor runs the same and the full group is kept; when rows are free, floor 1 holds the fewest
+  device-seconds at the same makespan and is chosen."""
+  from flexfloor_jax.sim import cluster
+  s = [Seq(i, f"p{i}", 0, 4, 20 if i % 2 == 0 else 200, 256) for i in range(8)]
+  pred = {x.seq_id: float(x.target_len) for x in s}
+  cost = HandCost(per_row)
+  rows = []
+  for floor in (1, 2, 4):
+    pol = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=[0, 1, 2, 3],
+                                       predicted=pred, cost=cost)
+    m = stepsim.simulate(s, None, {w: [2 * w, 2 * w + 1] for w in range(4)}, pol, 4, 4, 8,
+                         cost=cost)
+    rows.append(dict(floor=floor, predicted_makespan_s=m["makespan_s"],
+                     predicted_occupied_device_seconds=m["occupied_device_seconds"]))
+  pick = cluster.pick_floor(rows, 0.05)["floor"]
+  assert (pick == 1 if small else pick == 4), rows
