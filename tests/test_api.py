@@ -130,6 +130,8 @@ def test_caller_ids_give_the_clis_rollout(eng, tmp_path, step_caches):
                           for i, p in zip(ids, PROMPTS[:2], strict=True)))
   c = tailed_rollout_config()
   c.rollout.prompts, c.rollout.epoch = str(path), 7
+  # a history of its own: the checkout's rollout_out/ may hold the main job's (other lengths)
+  c.rollout.output_dir = str(tmp_path / "out")
   res = runner.run(c, params=eng.params, write_outputs=False, progress=False,
                    step_cache=step_caches)
   out = eng.generate(PROMPTS[:2], prompt_ids=ids, step=7)
