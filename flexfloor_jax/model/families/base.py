@@ -262,6 +262,18 @@ def has_fused(keys: Collection[str], prefix: str) -> bool:
   return f"{prefix}gate_up_proj" in keys or f"{prefix}down_proj" in keys
 
 
+def routed_experts(cfg: ModelConfig, n: int, keys: Collection[str], prefix: str,
+                   names: tuple[str, str, str]) -> list[Weight]:
+  """A sparse layer's router (prefix + 'gate.weight', no bias) and its SwiGLU experts under
+  prefix + 'experts.', fused (`fused_experts`) or one matrix per expert (`per_expert`, named
+  `names`), whichever the checkpoint holds."""
+  out = [Weight(prefix + "gate.weight", (cfg.num_experts, cfg.hidden_size),
+                (Put("router", (n,), transpose),))]
+  if has_fused(keys, prefix + "experts."):
+    return out + fused_experts(cfg, n, prefix + "experts.")
+  return out + per_expert(cfg, n, prefix + "experts.", names)
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
   model_type: str

@@ -39,12 +39,7 @@ def weights(cfg: ModelConfig, keys: Collection[str], tied: bool) -> list[base.We
   for n in range(cfg.num_layers):
     out += base.attention_weights(cfg, n)
     p = f"model.layers.{n}.{_moe_prefix(keys, n)}."
-    out.append(base.Weight(p + "gate.weight", (cfg.num_experts, cfg.hidden_size),
-                           (base.Put("router", (n,), base.transpose),)))
-    if base.has_fused(keys, p + "experts."):
-      out += base.fused_experts(cfg, n, p + "experts.")
-    else:
-      out += base.per_expert(cfg, n, p + "experts.", ("w1", "w3", "w2"))
+    out += base.routed_experts(cfg, n, keys, p, ("w1", "w3", "w2"))
   return out
 
 

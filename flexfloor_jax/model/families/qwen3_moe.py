@@ -66,12 +66,7 @@ def weights(cfg: ModelConfig, keys: Collection[str], tied: bool) -> list[base.We
               base.Weight(p + "down_proj.weight", (d, fd),
                           (base.Put("dense_w2", (n,), base.transpose),))]
       continue
-    out.append(base.Weight(p + "gate.weight", (cfg.num_experts, d),
-                           (base.Put("router", (n,), base.transpose),)))
-    if base.has_fused(keys, p + "experts."):
-      out += base.fused_experts(cfg, n, p + "experts.")
-    else:
-      out += base.per_expert(cfg, n, p + "experts.", ("gate_proj", "up_proj", "down_proj"))
+    out += base.routed_experts(cfg, n, keys, p, ("gate_proj", "up_proj", "down_proj"))
   return out
 
 
