@@ -1,7 +1,7 @@
 """The simulator's hardware and model presets: published device figures and model dimensions.
 
 A `Model` is sized from its dimensions by `model.param_count`, the formula the engine's model
-config uses as well; the Mixtral presets take their dimensions from `model.config.PRESETS`.
+config uses as well; the presets take their dimensions from `model.config.PRESETS` (one source).
 """
 
 from __future__ import annotations
@@ -129,10 +129,9 @@ MODELS = {
     "mixtral-8x22b": Model.from_config(
         "mixtral-8x22b", PRESETS["8x22b"],
         source="huggingface.co/mistralai/Mixtral-8x22B-v0.1/config.json"),
-    # Qwen/Qwen3-30B-A3B config.json: hidden 2048, moe_intermediate_size 768, 48 layers, 32 heads,
-    # 4 KV heads, head_dim 128, 128 experts, 8 per token, vocab 151936, untied embeddings.
-    "qwen3-30b-a3b": Model("qwen3-30b-a3b", 151936, 2048, 768, 48, 32, 4, 128, 128, 8,
-                           source="huggingface.co/Qwen/Qwen3-30B-A3B/config.json"),
+    "qwen3-30b-a3b": Model.from_config(
+        "qwen3-30b-a3b", PRESETS["qwen3-30b-a3b"],
+        source="huggingface.co/Qwen/Qwen3-30B-A3B/config.json"),
     "tiny": Model.from_config("tiny", PRESETS["tiny"],
                               source="flexfloor_jax/model/config.py PRESETS['tiny']"),
 }
