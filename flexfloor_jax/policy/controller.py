@@ -171,6 +171,12 @@ class State:
   def free_slots(self, w: int) -> list[int]:
     return [s for s, q in enumerate(self.slots[w]) if q < 0]
 
+  def num_free(self, w: int) -> int:
+    return self.slots[w].count(-1)
+
+  def num_live(self, w: int) -> int:
+    return len(self.slots[w]) - self.slots[w].count(-1)
+
 
 @dataclass
 class RolloutRecord:
@@ -195,6 +201,9 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
   if steps_per_dispatch < 1:
     raise ValueError(f'steps_per_dispatch must be >= 1, got {steps_per_dispatch}')
   B = int(slots_per_worker or executor.slots_per_worker)
+  cap = getattr(policy, 'max_rows', None)  # admission decided in seconds (costs.admission_rows)
+  if cap:
+    B = min(B, int(cap))
   workers = list(executor.active_workers())
   seq_by_id = {s.seq_id: s for s in seqs}
   if len(seq_by_id) != len(seqs):
@@ -237,10 +246,10 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     while not (shrunk and where):
       assign = []
       for w in st.active:
-        free = st.free_slots(w)
-        if free and st.queues[w] and (kv is None or kv.admits(
+        row = st.slots[w]
+        if st.queues[w] and -1 in row and (kv is None or kv.admits(
             w, seq_by_id[st.queues[w][0]], resume.get(st.queues[w][0], 0), steps_per_dispatch)):
-          assign.append((w, free[0], st.queues[w].popleft()))
+          assign.append((w, row.index(-1), st.queues[w].popleft()))
       if not assign:
         break
       for w, s, q in assign:
@@ -252,7 +261,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
           kv.allocate(w, s, seq_by_id[q], seq_by_id[q].prompt_len + st.generated[q])
       t0 = clock()
       fins = executor.prefill(assign)
-      tl.add_step('prefill', st.step, 1, st.active, [len(st.live(w)) for w in st.active], t0,
+      tl.add_step('prefill', st.step, 1, st.active, [st.num_live(w) for w in st.active], t0,
                   clock())
       for f in fins:
         if f.num_tokens != st.generated.get(f.seq_id, 1):
@@ -273,7 +282,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
                             f'queues {stuck}')
     # (b) one decode dispatch
     # admissions deferred by a shrink wait for one step only
-    pending = shrunk and any(st.queues[w] and st.free_slots(w) for w in st.active)
+    pending = shrunk and any(st.queues[w] and st.num_free(w) for w in st.active)
     max_steps = 1 if pending else steps_per_dispatch
     if kv is not None:  # pages for the dispatch's tokens; the youngest rows give way
       lost = kv.grow({where[q]: g for q, g in st.generated.items()}, max_steps)
@@ -285,7 +294,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
       stop_fin, stop_idle = policy.stop_masks(st)
     else:
       stop_fin = stop_idle = np.zeros(len(st.active), bool)
-    live0 = [len(st.live(w)) for w in st.active]
+    live0 = [st.num_live(w) for w in st.active]
     shrunk = False
     t0 = clock()
     k, fins = executor.decode(max_steps, refill | np.asarray(stop_fin, bool),

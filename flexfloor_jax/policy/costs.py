@@ -53,6 +53,21 @@ def dispatch_seconds(step, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int) -
   return total
 
 
+def admission_rows(cost: StepCost, max_rows: int, ctx_tokens: float) -> int:
+  """Admission in seconds: how many rows a worker runs at once, at most `max_rows` (the compiled
+  or memory bound). A worker's tokens per second with r rows of `ctx_tokens` cached tokens each is
+  r / worker_step_seconds(r); the largest r within a hair of the best rate is taken. Where a step
+  reads the weights once for every row (any roofline, a measured table) the rate grows with r and
+  every row is used; where a second row more than doubles a step, rows are better run one after
+  another (or on another worker) and fewer are admitted."""
+  if max_rows < 1:
+    raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+  r = np.arange(1, int(max_rows) + 1, dtype=float)
+  rate = np.array([n / cost.worker_step_seconds(np.array([n]), np.array([n * ctx_tokens]))
+                   for n in r])
+  return int(r[rate >= rate.max() * (1.0 - 1e-9)].max())
+
+
 class MeasuredStepCost:
   """Median decode-step seconds by active-group size; sizes between measured ones are linearly
   interpolated, sizes outside take the nearest measured one (a release to an unmeasured size is

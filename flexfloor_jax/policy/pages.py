@@ -266,6 +266,8 @@ class PagePool:
     Where a worker's free pages fall short, its youngest rows are preempted (pages freed) until
     the rest fit; returns the preempted (worker, slot, seq id), youngest first. The survivors
     grow oldest first."""
+    if not self.page_ids and self._grow_counted(generated, steps):
+      return []
     out = []
     for w in range(self.num_workers):
       rows = [s for s in self.live_rows(w)]
@@ -291,6 +293,28 @@ class PagePool:
         if need[s]:  # most steps a row's last page still has room
           self._take(w, s, int(need[s]))
     return out
+
+  def _grow_counted(self, generated: Mapping[tuple[int, int], int], steps: int) -> bool:
+    """grow() on a counted pool (page_ids=False) when every worker's rows fit: all rows at once
+    in numpy (the simulator calls grow before every dispatch of every run). False, changing
+    nothing, where some worker falls short: grow() then preempts row by row."""
+    live = self._seq >= 0
+    gen = np.full(live.shape, -1, np.int64)
+    for (w, s), g in generated.items():
+      gen[w, s] = g
+    if (live & (gen < 0)).any():
+      return False  # grow() names the rows without a count
+    tokens = np.minimum(self._prompt + gen + steps, self._limit)
+    need = np.where(live, np.maximum(0, -(-tokens // self.page_size) - self._owned), 0)
+    per_w = need.sum(1)
+    used = np.asarray(self._used, np.int64)
+    if (per_w > self.num_pages - used).any() or (self._owned + need > self.max_pages_per_seq).any():
+      return False
+    self._owned += need
+    self._used = [int(u) for u in used + per_w]
+    self.allocated += int(per_w.sum())
+    self.peak_used = [max(p, u) for p, u in zip(self.peak_used, self._used, strict=True)]
+    return True
 
   def move(self, moves: list[tuple[int, int, int, int]]) -> list[bool]:
     """Migrations (src_worker, src_slot, dst_worker, dst_slot): every source gives its pages back

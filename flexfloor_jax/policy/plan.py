@@ -52,12 +52,20 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   if cost is None and step_cost == "measured":
     cost = costs.from_history(history.step_seconds)
   timed: dict[str, Any] = dict(cost=cost, makespan_slack=makespan_slack)
+  # admission in seconds: the rows a worker runs at once, for every schedule alike
+  rows = admission(seqs, history, cost, slots_per_worker)
+  if rows < slots_per_worker:
+    timed["max_rows"] = rows
+    if kv is None:  # fixed slots: the placements fill `rows` lanes (a pool's rows are its own)
+      slots_per_worker = rows
   if flex and placement == "auto":
     # the shared queue at run time, in the candidates' simulation as in the rollout
     queues, pred, info = scheduler.flexfloor_schedule(
         seqs, history, workers, slots_per_worker, floor=floor,
         steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
-        policy_kw=dict(shared_queue=True, sizes=sizes), kv=kv, cost=cost)
+        policy_kw=dict(shared_queue=True, sizes=sizes,
+                       **({"max_rows": rows} if "max_rows" in timed else {})),
+        kv=kv, cost=cost)
     policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,
@@ -87,13 +95,24 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   if schedule == "balanced":
     policy = release_policy.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
                                    compaction=False, swap=False, steal=False, shared_queue=True,
-                                   predicted=pred)
+                                   predicted=pred, max_rows=timed.get("max_rows"))
     return queues, policy, pred
   queues = scheduler.static_placement(seqs, workers)
   policy = release_policy.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,
                                  chain=list(workers), compaction=flex and bool(compaction),
                                  steal=False, predicted=pred, sizes=sizes, **timed)
   return queues, policy, pred
+
+
+def admission(seqs: list[Seq], history: LengthHistory, cost, slots_per_worker: int) -> int:
+  """Rows a worker runs at once: every slot in device-steps (no cost model), else
+  costs.admission_rows at the batch's typical cached tokens (prompt plus half its predicted
+  response)."""
+  if cost is None or not seqs:
+    return slots_per_worker
+  pred = prediction.predict(history, seqs)
+  ctx = float(sum(s.prompt_len + p / 2 for s, p in zip(seqs, pred, strict=True)) / len(seqs))
+  return costs.admission_rows(cost, slots_per_worker, ctx)
 
 
 def length_buckets(queues: dict[int, list[int]], predicted: dict[int, float]) -> list[dict]:

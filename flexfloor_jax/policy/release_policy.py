@@ -22,16 +22,16 @@ seq still waiting anywhere, whatever it does to the predicted finish (list sched
 Time-aware floor (`cost`): device-steps say every release pays, seconds may not (an SPMD step is as
 slow as the worker holding the most experts, so 8 -> 7 workers can make every step slower and cost
 more device-seconds than it saves). With a step cost model a release from n to m workers happens
-only when m x t(m) < n x t(n) (occupied device-seconds per step, hence per token, drop) and the
-makespan it adds, predicted remaining steps x (t(m) - t(n)), fits in what is left of the slack
-budget (`makespan_slack` x the predicted makespan in seconds at full width).
+only when occupied device-seconds per token drop (m x t(m) over the rows m workers run, against
+the same for n) and the makespan it adds, predicted remaining steps x (t(m) - t(n)), fits in what
+is left of the slack budget (`makespan_slack` x the predicted makespan in seconds at full
+width).
 
 A ReleasePolicy holds per-rollout state (the chain, its decisions): use a fresh one per rollout.
 """
 
 from __future__ import annotations
 
-import copy
 import heapq
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -49,6 +49,9 @@ def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> floa
 
 def list_schedule_finish(busy: list[float], queue: list[float], slots: int) -> float:
   """Finish time of a worker: live remaining tokens `busy`, then `queue` FIFO onto free slots."""
+  if len(busy) + len(queue) <= slots:  # every queued seq finds an empty slot (a tail's case)
+    return max([*busy, *queue, *([0.0] if slots > len(busy) + len(queue) else [])],
+               default=0.0)
   h = sorted(list(busy) + [0.0] * (slots - len(busy)))
   for p in queue:
     heapq.heappush(h, heapq.heappop(h) + p)
@@ -95,6 +98,8 @@ class ReleasePolicy:
   makespan_slack: float = 0.05  # fraction of the predicted makespan a release may add (with cost)
   predicted_makespan_steps: float | None = None  # at full width; sets the slack budget (with cost)
   slack_used_s: float = 0.0  # seconds of makespan the releases so far are predicted to add
+  # Admission: rows a worker runs at once (costs.admission_rows); None = every slot
+  max_rows: int | None = None
 
   def __post_init__(self):
     if self.floor < 1:
@@ -142,8 +147,8 @@ class ReleasePolicy:
       idle = np.array([w == head for w in st.active])
     fin = no
     if self.compaction:
-      need = len(st.live(head))
-      spare = sum(max(0, len(st.free_slots(w)) - len(st.queues[w])) for w in chain[1:])
+      need = st.num_live(head)
+      spare = sum(max(0, st.num_free(w) - len(st.queues[w])) for w in chain[1:])
       if need <= spare + 1:  # one more finish anywhere could make room for the head's seqs
         fin = np.ones(n, bool)
     return fin | share, idle
@@ -173,9 +178,10 @@ class ReleasePolicy:
     keep = self.sizes is not None or cost is not None
     snaps = {}  # active size -> working state there (sizes a release may stop at)
 
-    def save():
-      return copy.deepcopy((alive, live, queue, free, slot_moves, queue_moves,
-                            len(self.decisions)))
+    def save():  # the lists change in place; their items (ints, tuples) never do
+      return (list(alive), {w: list(v) for w, v in live.items()},
+              {w: list(v) for w, v in queue.items()}, {w: list(v) for w, v in free.items()},
+              dict(slot_moves), dict(queue_moves), len(self.decisions))
 
     if keep:
       snaps[len(alive)] = save()
@@ -198,10 +204,10 @@ class ReleasePolicy:
       n = len(chain)
       if cost is not None:  # the size with the fewest device-seconds per step among those that pay
         # rows that will run: the live ones and the queued ones the slots will take
-        k = sum(len(st.live(w)) + len(st.queues[w]) for w in chain)
+        k = sum(st.num_live(w) + len(st.queues[w]) for w in chain)
         ok = [m for m in snaps if m == n or self._release_pays(n, m, snaps[m][1], snaps[m][2],
                                                                st, B)]
-        pick = min(ok, key=lambda m: (m * cost.decode_seconds(m, min(k, m * B)), m))
+        pick = min(ok, key=lambda m: (self._seconds_per_token(m, k, B), m))
       else:  # the smallest allowed size reached
         pick = min(snaps)
       alive, live, queue, free, slot_moves, queue_moves, nd = snaps[pick]
@@ -234,6 +240,14 @@ class ReleasePolicy:
     return max(0.0, R * (cost.decode_seconds(m, min(k, m * B))
                          - cost.decode_seconds(n, min(k, n * B))))
 
+  def _seconds_per_token(self, m: int, k: int, B: int) -> float:
+    """Occupied device-seconds per generated token on m workers with k rows to run: m x the step
+    over the rows that fit (min(k, m B)), per row. Per step would favour a group too small to
+    run every row at once: its steps are cheaper, but each makes fewer tokens."""
+    assert self.cost is not None
+    rows = min(k, m * B)
+    return m * self.cost.decode_seconds(m, rows) / max(rows, 1)
+
   def _release_pays(self, n, m, live, queue, st, B) -> bool:
     """With a cost model: going from n to m active workers lowers device-seconds per step and the
     makespan it adds fits in the slack left. Without one every release pays (device-steps)."""
@@ -241,7 +255,7 @@ class ReleasePolicy:
     if cost is None:
       return True
     k = self._live_count(live, queue)
-    if m * cost.decode_seconds(m, min(k, m * B)) >= n * cost.decode_seconds(n, min(k, n * B)):
+    if self._seconds_per_token(m, k, B) >= self._seconds_per_token(n, k, B):
       return False
     if self.predicted_makespan_steps is None:
       return True
@@ -279,7 +293,7 @@ class ReleasePolicy:
     """Some worker has a slot its own queue will not fill while another has seqs waiting."""
     spare = waiting = False
     for w in chain:
-      f, q = len(st.free_slots(w)), len(st.queues[w])
+      f, q = st.num_free(w), len(st.queues[w])
       spare |= f > q
       waiting |= q > f
     return spare and waiting
@@ -322,14 +336,14 @@ class ReleasePolicy:
   def _may_release(self, st: State, chain: list[int]) -> bool:
     """Cheap necessary condition for plan() to release anything (it runs between all dispatches)."""
     h = chain[0]
-    need = len(st.live(h))
+    need = st.num_live(h)
     if not need and not st.queues[h]:
       return True
     if self.compaction:
-      return need <= sum(max(0, len(st.free_slots(w)) - len(st.queues[w])) for w in chain[1:])
+      return need <= sum(max(0, st.num_free(w) - len(st.queues[w])) for w in chain[1:])
     if self.swap:
       B = st.slots_per_worker
-      return any(len(st.free_slots(w)) == B and not st.queues[w] for w in chain[1:])
+      return any(st.num_free(w) == B and not st.queues[w] for w in chain[1:])
     return False
 
   def _finish(self, w, live, queue, st, B, extra_busy=(), extra_queue=()):
@@ -340,7 +354,16 @@ class ReleasePolicy:
   def _evacuate(self, h, alive, live, queue, free, B, st):
     """Moves that empty the head, if they save more than they cost; applied to the working copy."""
     others = alive[1:]
-    fin = {w: self._finish(w, live, queue, st, B) for w in alive}
+    # each worker's own live remainders and queued predictions: fixed while the head's work is
+    # placed (only the extras change), so read once rather than at every candidate's finish
+    base = {w: ([r for _, _, r in live[w]], [self._pred(st.seqs[q]) for q in queue[w]])
+            for w in alive}
+
+    def finish(w, extra_busy=(), extra_queue=()):
+      busy, qs = base[w]
+      return list_schedule_finish(busy + list(extra_busy), qs + list(extra_queue), B)
+
+    fin = {w: finish(w) for w in alive}
     # slots a worker's own queue will fill at the next admission are not spare
     spare = {w: free[w][len(queue[w]):] for w in others}
     if not self.compaction:  # swap only: one fully idle worker takes everything
@@ -357,7 +380,7 @@ class ReleasePolicy:
         return None
       # least growth of the recipient's predicted finish; ties -> latest in chain (lives longest)
       def growth(w, r=r):
-        return (self._finish(w, live, queue, st, B, add_busy[w] + [r], add_q[w]) - fin[w],
+        return (finish(w, add_busy[w] + [r], add_q[w]) - fin[w],
                 -alive.index(w))
       w = min(cands, key=growth)
       moves.append((h, s, w, spare[w].pop(0), q, r))
@@ -366,12 +389,10 @@ class ReleasePolicy:
     qmoves = []
     for q in queue[h]:
       p = self._pred(st.seqs[q])
-      w = min(spare, key=lambda w: (self._finish(w, live, queue, st, B, add_busy[w],
-                                                 add_q[w] + [p]), -alive.index(w)))
+      w = min(spare, key=lambda w: (finish(w, add_busy[w], add_q[w] + [p]), -alive.index(w)))
       qmoves.append((h, w, q))
       add_q[w].append(p)
-    new_fin = [self._finish(w, live, queue, st, B, add_busy.get(w, []), add_q.get(w, []))
-               for w in others]
+    new_fin = [finish(w, add_busy.get(w, []), add_q.get(w, [])) for w in others]
     if max(new_fin) > max(fin.values()) + 1e-9:
       return None  # never trade completion time for device-steps
     before = future_device_steps([fin[w] for w in alive], self.floor)

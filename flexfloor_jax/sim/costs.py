@@ -96,11 +96,16 @@ class RooflineStepCost:
   def __init__(self, model: Model, hw: Hardware, ctx_per_seq: float):
     self.roof, self.ctx = RooflineCost(model, hw), float(ctx_per_seq)
     self.name = f"roofline:{model.name}@{hw.name}"
+    self._held_by_n: dict[int, np.ndarray] = {}  # the simulator asks for a few sizes, often
 
   def _held(self, n: int) -> np.ndarray:
-    E = self.roof.model.experts
-    held = np.full(n, E // n, float)
-    held[:E % n] += 1
+    held = self._held_by_n.get(n)
+    if held is None:
+      E = self.roof.model.experts
+      held = np.full(n, E // n, float)
+      held[:E % n] += 1
+      held.setflags(write=False)
+      self._held_by_n[n] = held
     return held
 
   def decode_seconds(self, n_active: int, live_seqs: int) -> float:

@@ -288,3 +288,38 @@ def test_floor_choice_releases_only_where_packing_is_free_in_seconds(per_row, sm
                      predicted_occupied_device_seconds=m["occupied_device_seconds"]))
   pick = cluster.pick_floor(rows, 0.05)["floor"]
   assert (pick == 1 if small else pick == 4), rows
+
+
+@pytest.mark.parametrize("per_row, rows", [(1.5, 1), (1.0, 4), (0.0, 4)])
+def test_admission_rows_follow_the_step_cost(per_row, rows):
+  """A worker's rate with r rows is r / (1 + per_row (r - 1)) tokens a second: below one row's
+  when a second row costs more than a step (1.5), flat at 1.0 (ties keep every row), rising when
+  rows are free."""
+  assert costs.admission_rows(HandCost(per_row), 4, 100.0) == rows
+
+
+@pytest.mark.parametrize("per_row, spread", [(1.5, True), (0.0, False)])
+def test_admission_spreads_rows_only_where_packing_costs_seconds(per_row, spread):
+  """Both responses queued on worker 0 of two workers with two slots each (the shared queue, as
+  the flexfloor schedule runs). When a second row costs 1.5 steps, admission runs one row per
+  worker, so worker 1 takes the other from the queue: 20 steps of 1 s against 20 of 2.5 s packed.
+  When rows are free, one worker runs both and the other goes at once."""
+  s = seqs_of([20, 20])
+  pred = {x.seq_id: 20.0 for x in s}
+  cost = HandCost(per_row)
+  hist = LengthHistory()
+  hist.add_rollout(0, s, {x.seq_id: x.target_len for x in s})
+  max_rows = plan.admission(s, hist, cost, 2)
+  assert max_rows == (1 if spread else 2)
+  pol = release_policy.ReleasePolicy(floor=1, chain=[0, 1], predicted=pred, cost=cost,
+                                     shared_queue=True, max_rows=max_rows)
+  m, rec = stepsim.simulate(s, None, {0: [0, 1], 1: []}, pol, 2, 2, 4, cost=cost,
+                            return_record=True)
+  assert len({f.worker for f in rec.finishes.values()}) == (2 if spread else 1)
+  packed = release_policy.ReleasePolicy(floor=1, chain=[0, 1], predicted=pred, cost=cost,
+                                        shared_queue=True)
+  m_packed = stepsim.simulate(s, None, {0: [0, 1], 1: []}, packed, 2, 2, 4, cost=cost)
+  if spread:  # the decision is the faster one in the table's seconds
+    assert m["makespan_s"] < m_packed["makespan_s"]
+  else:
+    assert m["occupied_device_seconds"] == m_packed["occupied_device_seconds"]
