@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
+
 from flexfloor_jax.policy import release_policy, scheduler, stepsim
 from flexfloor_jax.policy.accounting import jsonable
 from flexfloor_jax.policy.floor import floor_workers
@@ -121,6 +123,7 @@ def add_comparisons(ep: dict, names: list[str], runs: dict, seqs) -> None:
 
 
 SECONDS = ("tokens_per_occupied_device_second", "throughput_tokens_per_s")
+SECONDS_RATIOS = ("tokens_per_occupied_device_second", "throughput")  # keys of ep["ratios"][pair]
 
 
 def add_seconds(ep: dict, names: list[str], seqs, static_result, model, hw) -> None:
@@ -153,6 +156,21 @@ def add_seconds(ep: dict, names: list[str], seqs, static_result, model, hw) -> N
       raise AssertionError(f"epoch {ep['epoch']}: {n} beats the lower bound: "
                            f"{m['makespan_s']} s, {m['occupied_device_seconds']} device-s "
                            f"against {b}")
+
+
+def seed_summary(by_seed: list[list[dict]]) -> list[dict]:
+  """Per epoch, over the seeds' epoch entries: the median, min and max of each headline ratio
+  (ratios.flexfloor_static and ratios.flexfloor_balanced, in the cost model's seconds)."""
+  out = []
+  for k, eps in enumerate(zip(*by_seed, strict=True)):
+    row: dict = {"epoch": k}
+    for pair in ("flexfloor_static", "flexfloor_balanced"):
+      for key in SECONDS_RATIOS:
+        xs = np.array([e["ratios"][pair][key] for e in eps], float)
+        row.setdefault(pair, {})[key] = {"median": float(np.median(xs)), "min": float(xs.min()),
+                                         "max": float(xs.max())}
+    out.append(row)
+  return out
 
 
 def calibrate(records: dict) -> dict | None:

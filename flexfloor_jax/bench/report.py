@@ -107,6 +107,16 @@ def summary_lines(doc: dict) -> list[str]:
              f"occupied device-second {fmt(r['tokens_per_occupied_device_second'] for r in fb)} "
              f"(target > 1), balanced/flexfloor makespan {fmt(r['throughput'] for r in fb)} "
              f"(target >= {1 / (1 + slack):.3f})")
+  if "seed_summary" in doc:
+    rows = [r for r in doc["seed_summary"] if r["epoch"] in ks]
+    for pair, label in (("flexfloor_static", "flexfloor/static"),
+                        ("flexfloor_balanced", "flexfloor/balanced")):
+      for key, what in (("tokens_per_occupied_device_second", "tokens per occupied device-second"),
+                        ("throughput", "throughput")):
+        cells = ", ".join(f"{r[pair][key]['median']:.3f} [{r[pair][key]['min']:.3f}, "
+                          f"{r[pair][key]['max']:.3f}]" for r in rows)
+        out.append(f"epochs {ks} over seeds {','.join(map(str, doc['seeds']))}, median [min, max]: "
+                   f"{label} {what} {cells}")
   r = [e["ratio"]["tokens_per_device_step"] for e in eps]
   ro = [e["oracle_policy"]["ratio_tokens_per_device_step"] for e in eps]
   ms = [e["makespan_speedup"]["flexfloor"] for e in eps]

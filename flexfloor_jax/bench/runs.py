@@ -176,19 +176,38 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
 
 
 def run_bench(config, st=None, *, progress: bool = True):
-  """All epochs -> (the bench.json document, {(schedule, epoch): Timeline}, {(schedule, epoch):
-  run record}) (what report.write_outputs() writes). `st`: the config's settings
-  (settings.load(config, "bench"), which raises ConfigError; loaded here when not given)."""
+  """All epochs, for every seed -> (the bench.json document, {(schedule, epoch): Timeline},
+  {(schedule, epoch): run record}) (what report.write_outputs() writes; timelines and records of
+  the first seed). `st`: the config's settings (settings.load(config, "bench"), which raises
+  ConfigError; loaded here when not given). With several `seeds` (each the workload's
+  sampling.seed), the document's epochs are the first seed's, `by_seed` holds every seed's and
+  `seed_summary` the headline ratios' median, min and max per epoch."""
 
   st = settings.load(config, "bench") if st is None else st
   bench = st.bench
   assert bench is not None  # load(config, "bench") reads the bench section
   pool = engine_lib.StepCachePool()
+  t_all = time.perf_counter()
+  seeds = list(bench.seeds) or [st.sampling.seed]
+  by_seed = {seed: _run_seed(st.replace(sampling=dict(seed=seed)), pool, progress)
+             for seed in seeds}
+  epochs, timelines, records = by_seed[seeds[0]]
+  doc = document.make_document(config, epochs, records, bench.cost_model, pool, t_all)
+  if len(seeds) > 1:
+    doc["seeds"] = seeds
+    doc["by_seed"] = {str(s): document.jsonable(by_seed[s][0], nonfinite_to_none=True)
+                      for s in seeds}
+    doc["seed_summary"] = document.seed_summary([by_seed[s][0] for s in seeds])
+  return doc, timelines, records
+
+
+def _run_seed(st, pool, progress: bool):
+  """Every epoch of one workload seed (st.sampling.seed) -> (epoch entries, timelines, records)."""
+  bench = st.bench
   model, hw = presets.parse_cost_model(bench.cost_model)
   history = LengthHistory()
   names = [n for n, _ in variants(st)]
   epochs, timelines, records = [], {}, {}
-  t_all = time.perf_counter()
   for k in range(bench.epochs):
     runs = _run_epoch(st, k, history, pool, progress)
     seqs, model_cfg = seqs_for(run_config(st, variants(st)[0][1], k))
@@ -236,5 +255,4 @@ def run_bench(config, st=None, *, progress: bool = True):
     document.add_seconds(ep, names, seqs, runs["static"][0][1], model, hw)
     epochs.append(ep)
     history = runs["flexfloor"][0][3]  # epoch k's lengths join the shared history
-  doc = document.make_document(config, epochs, records, bench.cost_model, pool, t_all)
-  return doc, timelines, records
+  return epochs, timelines, records

@@ -211,6 +211,7 @@ class BenchSettings:
   repeats: int
   release_only: bool
   cost_model: str  # 'roofline:MODEL@HARDWARE': every run replayed in its seconds
+  seeds: tuple[int, ...] = ()  # workload seeds (sampling.seed) to run every epoch for; () = one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +259,19 @@ def _bench(c, parts: dict) -> BenchSettings:
   r = Reader(c, "")
   return BenchSettings(output_dir=r.text("output_dir", nonempty=True), epochs=r.int("epochs"),
                        repeats=r.int("repeats"), release_only=r.flag("release_only"),
-                       cost_model=_cost_model(r))
+                       cost_model=_cost_model(r), seeds=_seeds(r))
+
+
+def _seeds(r: Reader) -> tuple[int, ...]:
+  """bench's seeds: a comma list of workload seeds; '' or absent (an older config) = the run of
+  sampling.seed alone."""
+  text = r.text("seeds", default="")
+  if not text.strip():
+    return ()
+  try:
+    return tuple(workload.parse_seeds(text))
+  except ValueError as e:
+    raise ConfigError(f"{r.name('seeds')}: {e}") from None
 
 
 def _cost_model(r: Reader) -> str:

@@ -50,8 +50,10 @@ def kv_cost_steps_per_byte(link_bytes_per_s: float, step_seconds: float) -> floa
 def list_schedule_finish(busy: list[float], queue: list[float], slots: int) -> float:
   """Finish time of a worker: live remaining tokens `busy`, then `queue` FIFO onto free slots."""
   if len(busy) + len(queue) <= slots:  # every queued seq finds an empty slot (a tail's case)
-    return max([*busy, *queue, *([0.0] if slots > len(busy) + len(queue) else [])],
-               default=0.0)
+    ends = [float(x) for x in busy] + [float(x) for x in queue]
+    if slots > len(ends):
+      ends.append(0.0)  # an empty slot finishes now
+    return max(ends) if ends else 0.0
   h = sorted(list(busy) + [0.0] * (slots - len(busy)))
   for p in queue:
     heapq.heappush(h, heapq.heappop(h) + p)

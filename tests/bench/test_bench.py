@@ -195,7 +195,8 @@ def _cli(tmp_path, *args, timeout=300):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("epochs", 0), ("rollout.slots_per_worker", 0), ("scheduler.step_cost", "seconds")])
+    ("epochs", 0), ("rollout.slots_per_worker", 0), ("scheduler.step_cost", "seconds"),
+    ("seeds", "0,x"), ("seeds", "1,1")])
 def test_bad_input_names_the_field(field, value):
   """What the CLI checks first (settings.load for the bench), on the config its flags give."""
   c = load_config("bench")
@@ -259,6 +260,7 @@ def paged_bench(tmp_path_factory):
   c.release_only = False
   c.rollout.kv = "paged"
   c.scheduler.release_sizes = "pow2"  # 3 meshes to compile besides the full one, not 7
+  c.seeds = "0,1"  # two workload seeds: the second reuses every compiled step
   doc, timelines, run_records = runs.run_bench(c, progress=False)
   report.write_outputs(doc, timelines, run_records, c.output_dir)
   return c, doc, pathlib.Path(c.output_dir)
@@ -310,3 +312,37 @@ def test_fixed_slot_bench_has_no_pool_columns(small_bench):
   assert not any("paged" in ln for ln in report.summary_lines(doc))
   rec = json.loads((out / "runs" / "static_e0.json").read_text())
   assert "kv" not in rec
+
+
+def test_seed_summary_by_hand():
+  """Three seeds' epoch entries: each headline ratio's median, min and max per epoch."""
+  from flexfloor_jax.bench import document
+
+  def ep(a, b):
+    pair = {"tokens_per_occupied_device_second": a, "throughput": b}
+    return {"ratios": {"flexfloor_static": pair, "flexfloor_balanced": dict(pair, throughput=1.0)}}
+
+  rows = document.seed_summary([[ep(1.2, 1.1)], [ep(1.5, 0.9)], [ep(1.3, 1.4)]])
+  (r,) = rows
+  assert r["epoch"] == 0
+  assert r["flexfloor_static"]["tokens_per_occupied_device_second"] == {
+      "median": 1.3, "min": 1.2, "max": 1.5}
+  assert r["flexfloor_static"]["throughput"] == {"median": 1.1, "min": 0.9, "max": 1.4}
+  assert r["flexfloor_balanced"]["throughput"] == {"median": 1.0, "min": 1.0, "max": 1.0}
+
+
+def test_bench_seeds_run_every_epoch_per_seed(paged_bench):
+  """`seeds`: each seed's epochs run on its own lengths; the document's epochs are the first
+  seed's, and the summary's median of two seeds lies between their two ratios."""
+  _, doc, _ = paged_bench
+  assert doc["seeds"] == [0, 1] and sorted(doc["by_seed"]) == ["0", "1"]
+  e0, e1 = doc["by_seed"]["0"][0], doc["by_seed"]["1"][0]
+  assert e0["ratios"] == doc["epochs"][0]["ratios"]
+  assert e0["static"]["generated_tokens"] != e1["static"]["generated_tokens"]  # other lengths
+  (row,) = doc["seed_summary"]
+  for pair in ("flexfloor_static", "flexfloor_balanced"):
+    xs = sorted(e["ratios"][pair]["throughput"] for e in (e0, e1))
+    got = row[pair]["throughput"]
+    assert (got["min"], got["max"]) == (xs[0], xs[1])
+    assert got["median"] == pytest.approx((xs[0] + xs[1]) / 2, rel=1e-12)
+  assert any("over seeds 0,1" in line for line in report.summary_lines(doc))
