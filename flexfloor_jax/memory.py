@@ -7,6 +7,7 @@ import argparse
 
 from flexfloor_jax.config import files
 from flexfloor_jax.model.config import PRESETS
+from flexfloor_jax.model.transformer import kv_layout
 from flexfloor_jax.policy.floor import FloorError, expert_slots
 from flexfloor_jax.rollout import inputs
 
@@ -37,6 +38,10 @@ def main(argv=None):
   print(f"  expert slot  {t.expert / gib:9.3f} GiB  (one expert, all layers)")
   print(f"  non-expert   {t.nonexpert / gib:9.3f} GiB")
   print(f"  KV           {t.kv / gib:9.3f} GiB  (KV caches + slot state of one worker)")
+  lay = kv_layout(model_cfg, seq_len)
+  if lay.ring_layers:
+    print(f"               ({len(lay.ring_layers)} sliding layers keep their {lay.ring_len}-token "
+          f"window, {len(lay.full_layers)} full layers all {seq_len} tokens)")
   print(f"  workspace    {t.workspace / gib:9.3f} GiB  "
         "(2 expert slots + 2 sequence rows in flight)")
   try:

@@ -219,8 +219,9 @@ def migrate(steps, devices: Sequence, active: Sequence[int], state, moves,
     tree, nbytes = move_rows(steps.get(len(active)), "rows", tree, rows)
   state = state.replace(**tree)
   rows_total = len(active) * b
-  kv_per_row = (state.k.nbytes + state.v.nbytes) // rows_total
-  rest_per_row = sum(a.nbytes for k, a in state.as_dict().items() if k not in ("k", "v")) \
+  kv_names = ("k", "v", "k_ring", "v_ring")  # a row's KV: the full layers' and the rings
+  kv_per_row = sum(a.nbytes for k, a in state.as_dict().items() if k in kv_names) // rows_total
+  rest_per_row = sum(a.nbytes for k, a in state.as_dict().items() if k not in kv_names) \
       // rows_total
   return state, int(nbytes * kv_per_row // (kv_per_row + rest_per_row))
 
@@ -259,7 +260,15 @@ def migrate_paged(steps, devices: Sequence, state, moves, page_moves) -> tuple:
         shards[k][d] = b
   pools = {k: assemble(shards[k], a.sharding, a.shape, a.dtype) for k, a in pools.items()}
   page_bytes = sum(a.nbytes // a.shape[2] for a in pools.values())
-  return state.replace(**rows, **pools), int(page_bytes * sum(len(s) for s, _ in page_moves))
+  return state.replace(**rows, **pools), int(page_bytes * sum(len(s) for s, _ in page_moves)
+                                             + _ring_bytes_per_row(state) * len(moves))
+
+
+def _ring_bytes_per_row(state) -> int:
+  """KV bytes of one sequence row's rings (the sliding layers' windows; 0 without), which a
+  paged migration moves with the row."""
+  return sum(a.nbytes // a.shape[1] for k, a in state.as_dict().items()
+             if k in ("k_ring", "v_ring"))
 
 
 def _holds_all(moves) -> bool:
@@ -302,7 +311,7 @@ def _migrate_paged_spmd(stepset, active: Sequence[int], state, moves, page_moves
       pools = prog["insert_pages"](pools, *pending.pop())
   for block, ids in pending:
     pools = prog["insert_pages"](pools, block, ids)
-  return state.replace(**rows, **pools), int(sent)
+  return state.replace(**rows, **pools), int(sent + _ring_bytes_per_row(state) * len(moves))
 
 
 @dataclasses.dataclass

@@ -5,6 +5,8 @@ Bytes one device of the active group holds:
   the floor, the same on every mesh size;
 - non-expert: every other weight, replicated;
 - KV: the KV caches of the worker's decode slots and their slot state (tokens, log-probs, ...);
+  a sliding layer whose window is shorter than a sequence holds only its window (a ring per
+  sequence row, transformer.KVLayout), every other layer every position;
 - workspace: what a release or a migration holds in flight on a device. elastic.move_on_devices
   moves in rounds that touch a device at most once as source and once as destination, one expert
   slot (or one sequence row: KV + slot state) each way; dispatch is asynchronous, so a round's rows
@@ -51,6 +53,17 @@ def _nbytes(tree) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+def kv_bytes(model_cfg, max_seq_len: int) -> tuple[int, int]:
+  """(bytes per token of the layers that keep every position, bytes of one sequence row's rings:
+  the sliding layers' windows) of a cache of max_seq_len positions, from the shapes of one row of
+  the engine's cache (transformer.KVCache.zeros, its layout as the engine allocates it). A
+  fixed-slot row holds max_seq_len x the first + the second; a paged pool pages the first and
+  keeps the second per sequence row."""
+  row = jax.eval_shape(lambda: tfm.KVCache.zeros(model_cfg, 1, max_seq_len))
+  rings = (row.k_ring, row.v_ring) if row.k_ring is not None else ()
+  return _nbytes((row.k, row.v)) // max_seq_len, _nbytes(rings)
+
+
 def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
                 record_routes: bool = False) -> FloorTerms:
   """The terms from the shapes of the model's parameters and of the engine's per-worker arrays."""
@@ -59,9 +72,8 @@ def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_toke
   params = tfm.param_shapes(model_cfg)
   rest, experts = engine_lib.split_params(params)
   expert = _nbytes(experts) // model_cfg.num_experts
-  dt = tfm.dtype_of(model_cfg)
-  kv_row = 2 * model_cfg.num_layers * max_seq_len * model_cfg.num_kv_heads * model_cfg.head_dim \
-      * jax.numpy.dtype(dt).itemsize
+  per_token, rings = kv_bytes(model_cfg, max_seq_len)
+  kv_row = per_token * max_seq_len + rings
   state = engine_lib.state_bytes_per_worker(model_cfg, slots_per_worker, max_seq_len,
                                             max_new_tokens, record_routes)
   kv = slots_per_worker * kv_row + state

@@ -15,8 +15,9 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 
 
 def _row_axis_of(name: str) -> int:
-  """Row (sharded) axis of each moved leaf: cache k/v and experts carry a leading layer axis."""
-  return 1 if name in ("k", "v", *tfm.EXPERT_ARRAYS) else 0
+  """Row (sharded) axis of each moved leaf: cache k/v, the sliding layers' rings and experts
+  carry a leading layer axis."""
+  return 1 if name in ("k", "v", "k_ring", "v_ring", *tfm.EXPERT_ARRAYS) else 0
 
 
 def _extract_local(tree, idx_1):

@@ -5,10 +5,14 @@ is its row in the global arrays (position of the worker among the active ones * 
 *expert slot* is a place for one expert's weights on a worker (S per worker).
 
 DecodeState (a pytree; leading row axis N*B, or axis 1 for the KV cache, sharded over workers):
-  k, v          the KV cache [L, N*B, max_seq_len, Hkv, Dh] (spec.kv == 'slots'), or None
-  k_pages, v_pages  the paged KV pool [L, Hkv, N*num_pages, page_size, Dh] (spec.kv == 'paged',
+  k, v          the KV cache [Lf, N*B, max_seq_len, Hkv, Dh] (spec.kv == 'slots'), or None
+  k_pages, v_pages  the paged KV pool [Lf, Hkv, N*num_pages, page_size, Dh] (spec.kv == 'paged',
                 page axis sharded: each worker holds its own num_pages pages, page ids local), or
                 None; B is then spec.slots_per_worker = the pool's max_seqs sequence rows
+  k_ring, v_ring  [Lr, N*B, window, Hkv, Dh]: the sliding layers (`ring_layers`) whose window is
+                shorter than max_seq_len keep a ring of their window per sequence row, fixed slots
+                and paged pool alike (transformer.KVLayout); None where no layer does. Lf: the
+                other layers, every layer without rings
   scalars       int32 [N*B, len(SCALAR_COLS)]: a decode slot's scalars and sequence key packed
                 into one array, so a release reassembles one array for them instead of eight
   out_tokens, out_logprobs  [N*B, max_new_tokens]
@@ -84,13 +88,17 @@ class DecodeState:
   routes: jax.Array | None = None
   k_pages: jax.Array | None = None
   v_pages: jax.Array | None = None
+  k_ring: jax.Array | None = None
+  v_ring: jax.Array | None = None
+  ring_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
   if TYPE_CHECKING:  # flax.struct.dataclass adds it (dataclasses.replace)
     def replace(self, **changes: Any) -> DecodeState: ...
 
   def as_dict(self) -> dict:
     """{name: array} of the fields present (elastic.py moves rows by name)."""
-    names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes", "k_pages", "v_pages")
+    names = ("k", "v", "scalars", "out_tokens", "out_logprobs", "routes", "k_pages", "v_pages",
+             *RING_FIELDS)
     return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
   def row_dict(self) -> dict:
@@ -107,29 +115,47 @@ class DecodeState:
   @property
   def cache(self) -> tfm.KVCache:
     assert self.k is not None and self.v is not None  # fixed slots (spec.kv == 'slots')
-    return tfm.KVCache(self.k, self.v)
+    return tfm.KVCache(self.k, self.v, self.k_ring, self.v_ring, ring_layers=self.ring_layers)
 
   @property
   def paged(self):
     assert self.k_pages is not None and self.v_pages is not None  # spec.kv == 'paged'
-    return PagedKVCache(self.k_pages, self.v_pages)
+    return PagedKVCache(self.k_pages, self.v_pages, self.k_ring, self.v_ring,
+                        ring_layers=self.ring_layers)
 
 
 PAGE_FIELDS = ("k_pages", "v_pages")
+# The sliding layers' rings: sequence rows on axis 1 (after the layer axis), as k and v.
+RING_FIELDS = ("k_ring", "v_ring")
+KV_FIELDS = ("k", "v", *PAGE_FIELDS, *RING_FIELDS)
+
+
+def cache_fields(cache: tfm.KVCache | PagedKVCache) -> dict:
+  """The DecodeState fields that hold `cache` (as `DecodeState.cache` / `paged` gave it)."""
+  if isinstance(cache, PagedKVCache):
+    kv = dict(k_pages=cache.k_pages, v_pages=cache.v_pages)
+  else:
+    kv = dict(k=cache.k, v=cache.v)
+  return dict(kv, k_ring=cache.k_ring, v_ring=cache.v_ring)
 
 
 def state_shapes(spec, n: int) -> DecodeState:
   """DecodeState of ShapeDtypeStructs for n workers (`spec`: an EngineSpec, or anything with its
   cfg, slots_per_worker, max_seq_len, max_new_tokens and record_routes)."""
   cfg, nb = spec.cfg, n * spec.slots_per_worker
+  lay = tfm.kv_layout(cfg, spec.max_seq_len)
+  nf, dt = len(lay.full_layers), tfm.dtype_of(cfg)
   if getattr(spec, "kv", "slots") == "paged":
-    pages = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, n * spec.num_pages,
-                                  spec.page_size, cfg.head_dim), tfm.dtype_of(cfg))
+    pages = jax.ShapeDtypeStruct((nf, cfg.num_kv_heads, n * spec.num_pages, spec.page_size,
+                                  cfg.head_dim), dt)
     kv, kv_fields = None, dict(k_pages=pages, v_pages=pages)
   else:
-    kv = jax.ShapeDtypeStruct((cfg.num_layers, nb, spec.max_seq_len, cfg.num_kv_heads,
-                               cfg.head_dim), tfm.dtype_of(cfg))
+    kv = jax.ShapeDtypeStruct((nf, nb, spec.max_seq_len, cfg.num_kv_heads, cfg.head_dim), dt)
     kv_fields = {}
+  if lay.ring_layers:
+    ring = jax.ShapeDtypeStruct((len(lay.ring_layers), nb, lay.ring_len, cfg.num_kv_heads,
+                                 cfg.head_dim), dt)
+    kv_fields.update(k_ring=ring, v_ring=ring)
   # ShapeDtypeStructs in the fields that hold arrays in the concrete state
   fields: dict[str, Any] = dict(
       k=kv, v=kv, **kv_fields,
@@ -138,7 +164,7 @@ def state_shapes(spec, n: int) -> DecodeState:
       out_logprobs=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),
       routes=jax.ShapeDtypeStruct((nb, spec.max_seq_len, cfg.num_layers, cfg.top_k), jnp.int32)
       if spec.record_routes else None)
-  return DecodeState(**fields)
+  return DecodeState(**fields, ring_layers=lay.ring_layers)
 
 
 def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
@@ -149,7 +175,7 @@ def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new
                                max_new_tokens=max_new_tokens, record_routes=record_routes)
   arrays = state_shapes(spec, 1).as_dict()
   return sum(math.prod(v.shape) * v.dtype.itemsize for k, v in arrays.items()
-             if k not in ("k", "v", *PAGE_FIELDS))
+             if k not in KV_FIELDS)
 
 
 # ----------------------------------------------------------------------------- host inputs

@@ -54,6 +54,9 @@ class StepSet:
     else:
       self.state_sharding = self.state_sharding.replace(k=self.cache_sharding,
                                                         v=self.cache_sharding)
+    if shapes.k_ring is not None:  # the sliding layers' rings: rows on axis 1, as the cache
+      self.state_sharding = self.state_sharding.replace(k_ring=self.cache_sharding,
+                                                        v_ring=self.cache_sharding)
     self.worker_sharding = mesh_lib.named(mesh, mesh_lib.batch_spec(1))
     self.host_spec = mesh_lib.batch_spec(2)
     self.host_sharding = mesh_lib.named(mesh, self.host_spec)

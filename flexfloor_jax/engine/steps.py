@@ -9,7 +9,13 @@ import jax.numpy as jnp
 
 from flexfloor_jax.engine.sampling import sample, sample_one, sequence_key
 from flexfloor_jax.engine.spec import EngineSpec, merge_params
-from flexfloor_jax.engine.state import DecodeState, read_decode, read_prefill, temperature_of
+from flexfloor_jax.engine.state import (
+  DecodeState,
+  cache_fields,
+  read_decode,
+  read_prefill,
+  temperature_of,
+)
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.moe import ep_moe
 from flexfloor_jax.model.paged import decode_paged, insert_paged
@@ -46,11 +52,9 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
                                   moe_fn=moe_fn)
   if spec.paged:
     assert table_PM is not None  # the host rows carry page tables when spec.paged
-    pool = insert_paged(st.paged, k, v, table_PM, lengths)
-    kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
+    kv = cache_fields(insert_paged(st.paged, k, v, table_PM, lengths, slot_P))
   else:
-    cache = tfm.insert(st.cache, k, v, slot_P)
-    kv = dict(k=cache.k, v=cache.v)
+    kv = cache_fields(tfm.insert(st.cache, k, v, slot_P, lengths))
   gen_P = c["generated"]
   keys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(seed, epoch, c["phash"], c["sample"])
   tok, lp = jax.vmap(lambda lg, kd, g: sample_one(lg, kd, g, spec.sampling, temp))(logits, keys,
@@ -106,13 +110,12 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
     if spec.paged:
       # the host rows carry page tables, and the spec an attention function, when spec.paged
       assert table_BM is not None and attention is not None
-      logits, pool, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens, sc.positions,
-                                       live, moe_fn=moe_fn, attention=attention)
-      kv = dict(k_pages=pool.k_pages, v_pages=pool.v_pages)
+      logits, cache, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens,
+                                        sc.positions, live, moe_fn=moe_fn, attention=attention)
     else:
       logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
                                       moe_fn=moe_fn)
-      kv = dict(k=cache.k, v=cache.v)
+    kv = cache_fields(cache)
     tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling, temp)
     col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
     routes = st.routes

@@ -1,13 +1,18 @@
 """The decoder's KV cache as a pool of fixed-size pages, read and written through page tables.
 
-`PagedKVCache` holds one worker's pool: k_pages, v_pages [num_layers, K, num_pages, page_size, hd]
-(kv-head major, the layout of `flexfloor_jax.kernels.paged_attention`). A row's page table [M]
-names the pages holding its positions in order (position t: page table[t // page_size], offset
-t % page_size; an entry < 0 is "no page"). Which pages a row owns is decided by the caller: nothing
-here allocates.
-With M * page_size equal to a fixed-slot cache's length and the same values in the pages,
-`decode_paged` is bitwise equal to `transformer.decode` for every live row (tested): the default
-attention gathers the pages and runs the same attention math.
+`PagedKVCache` holds one worker's pool: k_pages, v_pages [num layers in pages, K, num_pages,
+page_size, hd] (kv-head major, the layout of `flexfloor_jax.kernels.paged_attention`). A row's
+page table [M] names the pages holding its positions in order (position t: page
+table[t // page_size], offset t % page_size; an entry < 0 is "no page"). Which pages a row owns is
+decided by the caller: nothing here allocates.
+Sliding layers whose window is shorter than a sequence keep no pages: each sequence row has a ring
+of its window per sliding layer beside the pool (k_ring, v_ring [num ring layers, rows, window, K,
+hd]; transformer.KVLayout says why), and the pages hold the other layers only. A pool made
+without rows keeps every layer in its pages.
+With M * page_size equal to a fixed-slot cache's length and the same values in the pages (and
+rings), `decode_paged` is bitwise equal to `transformer.decode` for every live row (tested): the
+default attention gathers the pages and runs the same attention math, and a ring layer runs the
+fixed-slot cache's own ring attention.
 """
 
 from __future__ import annotations
@@ -30,14 +35,29 @@ PagedAttentionFn = Callable[..., jax.Array]
 
 @flax.struct.dataclass
 class PagedKVCache:
-  """k_pages, v_pages [num_layers, K, num_pages, page_size, hd]."""
+  """k_pages, v_pages [num layers in pages, K, num_pages, page_size, hd]; k_ring, v_ring
+  [num ring layers, rows, R, K, hd] for the sliding layers of `ring_layers`, or None (every layer
+  in the pages)."""
   k_pages: jax.Array
   v_pages: jax.Array
+  k_ring: jax.Array | None = None
+  v_ring: jax.Array | None = None
+  ring_layers: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int) -> PagedKVCache:
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return cls(jnp.zeros(shape, tfm.dtype_of(cfg)), jnp.zeros(shape, tfm.dtype_of(cfg)))
+  def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, rows: int = 0,
+            max_len: int = 0) -> PagedKVCache:
+    """A pool of `num_pages` pages. `rows` > 0: the pool serves that many sequence rows of at
+    most `max_len` tokens, and the sliding layers whose window is shorter keep rings
+    (transformer.kv_layout) instead of pages."""
+    lay = tfm.kv_layout(cfg, max_len, ring=rows > 0)
+    dt = tfm.dtype_of(cfg)
+    shape = (len(lay.full_layers), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    if not lay.ring_layers:
+      return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    rshape = (len(lay.ring_layers), rows, lay.ring_len, cfg.num_kv_heads, cfg.head_dim)
+    return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros(rshape, dt),
+               jnp.zeros(rshape, dt), ring_layers=lay.ring_layers)
 
   @property
   def num_pages(self) -> int:
@@ -61,27 +81,40 @@ def _page_of(cache: PagedKVCache, page_table_BM: jax.Array, pos: jax.Array, ok: 
 
 
 def insert_paged(cache: PagedKVCache, k: jax.Array, v: jax.Array, page_table_PM: jax.Array,
-                 lengths_P: jax.Array) -> PagedKVCache:
+                 lengths_P: jax.Array, rows_P: jax.Array | None = None) -> PagedKVCache:
   """Write prefilled k/v [num_layers, P, T, K, hd] into the pages of each row's page table:
   positions t < lengths_P[p] only (the prompt, not its padding). A row of length <= 0 (no
-  prefill) writes nothing, nor does a position whose table entry is < 0."""
+  prefill) writes nothing, nor does a position whose table entry is < 0. A pool with rings
+  writes its ring layers into the rings of sequence rows `rows_P` (< 0: none), the last R
+  positions of each prompt."""
   t = k.shape[2]
   pos_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (k.shape[1], t))
   page_PT, off_PT = _page_of(cache, page_table_PM, pos_PT, pos_PT < lengths_P[:, None])
+  ring = cache.k_ring is not None and cache.v_ring is not None
+  full, ring_idx = tfm.split_layers(k.shape[0], cache.ring_layers)
+  kf, vf = (k[full], v[full]) if ring else (k, v)
   # [L, K, P, T, hd]: the advanced indices (page, offset) are adjacent, so they stay in place
-  ck = cache.k_pages.at[:, :, page_PT, off_PT].set(jnp.moveaxis(k, 3, 1), mode="drop")
-  cv = cache.v_pages.at[:, :, page_PT, off_PT].set(jnp.moveaxis(v, 3, 1), mode="drop")
-  return PagedKVCache(ck, cv)
+  ck = cache.k_pages.at[:, :, page_PT, off_PT].set(jnp.moveaxis(kf, 3, 1), mode="drop")
+  cv = cache.v_pages.at[:, :, page_PT, off_PT].set(jnp.moveaxis(vf, 3, 1), mode="drop")
+  if not ring:
+    return PagedKVCache(ck, cv)
+  if rows_P is None:
+    raise ValueError("insert_paged into a pool with rings needs the sequence rows rows_P")
+  assert cache.k_ring is not None and cache.v_ring is not None  # ring
+  rk, rv = tfm.insert_ring(cache.k_ring, cache.v_ring, k[ring_idx], v[ring_idx],
+                           jnp.where(lengths_P > 0, rows_P, -1), lengths_P)
+  return PagedKVCache(ck, cv, rk, rv, ring_layers=cache.ring_layers)
 
 
 def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
                  page_table_BM: jax.Array, tokens_B: jax.Array, positions_B: jax.Array,
                  live_B: jax.Array, *, moe_fn: tfm.MoEFn | None = None,
                  attention: PagedAttentionFn = paged_attention_xla):
-  """One decode step for every row: the token at `positions_B` is written at its page and
-  attends to positions <= positions_B through the row's page table. A dead row (live_B False)
-  writes nothing and its attention output is 0. Returns (logits [B, V] fp32, new cache, aux),
-  the analogue of `transformer.decode`."""
+  """One decode step for every row: the token at `positions_B` is written at its page (a ring
+  layer: in row b's ring) and attends to positions <= positions_B through the row's page table
+  (a ring layer: to its window in the ring). A dead row (live_B False) writes nothing and its
+  attention output is 0. Returns (logits [B, V] fp32, new cache, aux), the analogue of
+  `transformer.decode`."""
   moe_fn = moe_fn or tfm.default_moe_fn(cfg)
   b = tokens_B.shape[0]
   pos_B1 = positions_B[:, None]
@@ -89,21 +122,59 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
   page_B, off_B = _page_of(cache, page_table_BM, positions_B, live_B)
   x = params["embed"][tokens_B][:, None]
 
-  def layer(carry, lp):
-    x, ck, cv = carry
-    li = lp["layer"]
-    q, k, v = tfm._qkv(cfg, lp, x, pos_B1)
-    # [B, K, hd] values: li, page and offset are advanced indices split by a slice -> leading B
-    ck = ck.at[li, :, page_B, off_B].set(k[:, 0], mode="drop")
-    cv = cv.at[li, :, page_B, off_B].set(v[:, 0], mode="drop")
-    # the sinks only where the model has them: the Pallas kernels take none
-    sinks = {"sinks_H": lp["sinks"]} if cfg.attn_sinks else {}
-    out_BHD = attention(q[:, 0], ck[li], cv[li], page_table_BM, lengths_B,
-                        sliding_window=tfm.layer_window(cfg, lp), **sinks)
-    x = x + tfm._attn_out(cfg, lp, out_BHD.reshape(b, 1, -1))
-    x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)
-    return (x, ck, cv), aux
+  if cache.k_ring is None or cache.v_ring is None:
+    def layer(carry, lp):
+      x, ck, cv = carry
+      li = lp["layer"]
+      q, k, v = tfm._qkv(cfg, lp, x, pos_B1)
+      # [B, K, hd] values: li, page and offset are advanced indices split by a slice -> leading B
+      ck = ck.at[li, :, page_B, off_B].set(k[:, 0], mode="drop")
+      cv = cv.at[li, :, page_B, off_B].set(v[:, 0], mode="drop")
+      # the sinks only where the model has them: the Pallas kernels take none
+      sinks = {"sinks_H": lp["sinks"]} if cfg.attn_sinks else {}
+      out_BHD = attention(q[:, 0], ck[li], cv[li], page_table_BM, lengths_B,
+                          sliding_window=tfm.layer_window(cfg, lp), **sinks)
+      x = x + tfm._attn_out(cfg, lp, out_BHD.reshape(b, 1, -1))
+      x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)
+      return (x, ck, cv), aux
 
-  (x, ck, cv), aux = tfm.scan_layers(layer, (x, cache.k_pages, cache.v_pages),
-                                     tfm._layer_xs(params, cfg))
-  return tfm._logits(params, cfg, x[:, 0]), PagedKVCache(ck, cv), aux
+    (x, ck, cv), aux = tfm.scan_layers(layer, (x, cache.k_pages, cache.v_pages),
+                                       tfm._layer_xs(params, cfg))
+    return tfm._logits(params, cfg, x[:, 0]), PagedKVCache(ck, cv), aux
+
+  r = cache.k_ring.shape[2]
+  tfm._check_ring(cfg, cache.ring_layers, r)
+  has_full = cache.k_pages.shape[0] > 0
+  r_mask = tfm.ring_mask(cfg, positions_B, r)
+  rows_B = jnp.where(live_B, jnp.arange(b), b)  # a dead row's ring write: out of range, dropped
+
+  def ring_layer(carry, lp):
+    x, ck, cv, rk, rv = carry
+    fi, ri = lp["full_idx"], lp["ring_idx"]
+    q, k, v = tfm._qkv(cfg, lp, x, pos_B1)
+    if has_full:
+      ck = ck.at[fi, :, page_B, off_B].set(k[:, 0], mode="drop")
+      cv = cv.at[fi, :, page_B, off_B].set(v[:, 0], mode="drop")
+    rk, rv = tfm.write_ring(rk, rv, ri, rows_B, positions_B, k, v)
+    sinks = tfm._sinks(cfg, lp)
+
+    def full():
+      # the pages hold full layers only: no window (the sliding layers are the rings)
+      kw = {"sinks_H": sinks} if sinks is not None else {}
+      out_BHD = attention(q[:, 0], ck[fi], cv[fi], page_table_BM, lengths_B,
+                          sliding_window=None, **kw)
+      return out_BHD.reshape(b, 1, -1).astype(q.dtype)
+
+    def ring():
+      out = tfm.attend(q, rk[ri], rv[ri], r_mask, sinks)
+      return jnp.where(live_B[:, None, None], out, jnp.zeros((), out.dtype))
+
+    x = x + tfm._attn_out(cfg, lp, tfm.by_layer_kind(lp, has_full, full, ring))
+    x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)
+    return (x, ck, cv, rk, rv), aux
+
+  xs = tfm._kv_xs(tfm._layer_xs(params, cfg), cfg.num_layers, cache.ring_layers)
+  (x, ck, cv, rk, rv), aux = tfm.scan_layers(
+      ring_layer, (x, cache.k_pages, cache.v_pages, cache.k_ring, cache.v_ring), xs)
+  return (tfm._logits(params, cfg, x[:, 0]),
+          PagedKVCache(ck, cv, rk, rv, ring_layers=cache.ring_layers), aux)

@@ -518,17 +518,134 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
   return (logits, aux, x) if return_hidden else (logits, aux)
 
 
+# ----------------------------------------------------------------------------- KV cache layout
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+  """Which layers a KV cache keeps whole and which as a ring (`kv_layout`).
+
+  A sliding layer reads only the last `window` positions, so where its window is shorter than the
+  cache it keeps only those: a ring of `ring_len` (= the window) positions per sequence row,
+  position t at t % ring_len, each write replacing the one position that has just left the
+  window. Every other layer keeps every position. Why a ring: it holds exactly what the layer
+  reads, in a shape fixed per row as the full cache's is (the decode stays batch-invariant), with
+  no page bookkeeping. A paged pool keeps the rings the same way beside its pages, one per
+  sequence row, and its pages hold only the full layers: a page shared by every layer could not
+  be given back while a full layer still reads it, so sliding layers in pages would save
+  nothing."""
+  full_layers: tuple[int, ...]
+  ring_layers: tuple[int, ...]
+  ring_len: int  # positions a ring layer keeps (0 without ring layers)
+
+
+def kv_layout(cfg: ModelConfig, max_len: int, ring: bool = True) -> KVLayout:
+  """The layout of a cache of `max_len` positions: the sliding layers as rings of their window
+  where the window is shorter than max_len (and `ring`), else every layer whole."""
+  w = cfg.sliding_window
+  every = tuple(range(cfg.num_layers))
+  if not ring or not w or w >= max_len:
+    return KVLayout(every, (), 0)
+  rings = tuple(i for i in every if cfg.window_of(i) is not None)
+  return KVLayout(tuple(i for i in every if i not in rings), rings, int(w))
+
+
+def _check_ring(cfg: ModelConfig, ring_layers: tuple[int, ...], ring_len: int):
+  """A ring must hold at least the window its layer reads (the mask then keeps the window)."""
+  for i in ring_layers:
+    w = cfg.window_of(i)
+    if w is None or ring_len < w:
+      raise ValueError(f"layer {i}: a ring of {ring_len} positions for a layer that reads "
+                       f"{'every position' if w is None else f'{w} positions'}")
+
+
+def _kv_xs(xs: Params, num_layers: int, ring_layers: tuple[int, ...]) -> Params:
+  """The layer scan's inputs plus, for a cache with rings, each layer's kind (is_ring) and its
+  index in the full-layer arrays (full_idx) or in the rings (ring_idx); the other index is out
+  of range, so a write through it is dropped."""
+  ring = np.zeros((num_layers,), bool)
+  ring[list(ring_layers)] = True
+  full_idx = np.where(ring, int((~ring).sum()), np.cumsum(~ring) - 1).astype(np.int32)
+  ring_idx = np.where(ring, np.cumsum(ring) - 1, len(ring_layers)).astype(np.int32)
+  return {**xs, "is_ring": jnp.asarray(ring), "full_idx": jnp.asarray(full_idx),
+          "ring_idx": jnp.asarray(ring_idx)}
+
+
+def split_layers(num_layers: int, ring_layers: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+  """(full layers, ring layers) as index arrays into a stack of every layer."""
+  ring = np.asarray(ring_layers, np.int32)
+  return np.setdiff1d(np.arange(num_layers, dtype=np.int32), ring), ring
+
+
+def ring_key_positions(positions_B: jax.Array, ring_len: int) -> jax.Array:
+  """[B, ring_len]: the position each ring slot holds once every position up to positions_B is
+  written (slot j: the latest position = j mod ring_len; negative: none yet)."""
+  pos_B1 = positions_B[:, None]
+  return pos_B1 - (pos_B1 - jnp.arange(ring_len, dtype=pos_B1.dtype)) % ring_len
+
+
+def ring_mask(cfg: ModelConfig, positions_B: jax.Array, ring_len: int) -> jax.Array:
+  """[B, 1, ring_len]: the ring slots the token at positions_B attends to (written, in its
+  window)."""
+  k_pos_BR = ring_key_positions(positions_B, ring_len)
+  return attention_mask(positions_B[:, None], k_pos_BR, k_pos_BR >= 0, cfg.sliding_window)
+
+
+def insert_ring(k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array,
+                rows_P: jax.Array, lengths_P: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Write the ring layers' prefilled k/v [n_ring, P, T, K, hd] into rings [n_ring, B, R, K, hd]:
+  the last R positions of each prompt (t < lengths_P[p], t >= lengths_P[p] - R) at t % R, so no
+  two writes share a slot; a row < 0 writes nothing."""
+  b, r = k_ring.shape[1:3]
+  p, t = k.shape[1:3]
+  pos_PT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (p, t))
+  n_P1 = lengths_P[:, None]
+  slot_PT = jnp.where((pos_PT < n_P1) & (pos_PT >= n_P1 - r), pos_PT % r, r)  # r: dropped
+  rows_PT = jnp.broadcast_to(jnp.where(rows_P < 0, b, rows_P)[:, None], (p, t))
+  return (k_ring.at[:, rows_PT, slot_PT].set(k, mode="drop"),
+          v_ring.at[:, rows_PT, slot_PT].set(v, mode="drop"))
+
+
+def write_ring(k_ring: jax.Array, v_ring: jax.Array, ring_idx: jax.Array, rows_B: jax.Array,
+               positions_B: jax.Array, k_B1KD: jax.Array, v_B1KD: jax.Array):
+  """One decode token per row into ring `ring_idx` (out of range: a full layer, dropped) at its
+  position's slot; a row out of range (a paged dead row) writes nothing."""
+  slot_B = positions_B % k_ring.shape[2]
+  return (k_ring.at[ring_idx, rows_B, slot_B].set(k_B1KD[:, 0], mode="drop"),
+          v_ring.at[ring_idx, rows_B, slot_B].set(v_B1KD[:, 0], mode="drop"))
+
+
+def by_layer_kind(lp: Params, has_full: bool, full_fn, ring_fn):
+  """The layer's attention through its own store: a cond on the layer's kind where the cache
+  has both (one branch runs: a full layer reads no ring, a ring layer no full cache)."""
+  if not has_full:
+    return ring_fn()
+  return jax.lax.cond(lp["is_ring"], ring_fn, full_fn)
+
+
 @flax.struct.dataclass
 class KVCache:
-  """Per-slot KV cache: k, v [num_layers, B, S, K, hd]. Slot b's token at position p is at
-  [:, b, p]."""
+  """Per-slot KV cache. k, v [num full layers, B, S, K, hd]: slot b's token at position p is at
+  [:, b, p]. k_ring, v_ring [num ring layers, B, R, K, hd] (or None): the sliding layers of
+  `ring_layers` keep position p at [:, b, p % R] (KVLayout). Without rings k, v hold every
+  layer."""
   k: jax.Array
   v: jax.Array
+  k_ring: jax.Array | None = None
+  v_ring: jax.Array | None = None
+  ring_layers: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> KVCache:
-    shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-    return cls(jnp.zeros(shape, dtype_of(cfg)), jnp.zeros(shape, dtype_of(cfg)))
+  def zeros(cls, cfg: ModelConfig, batch: int, length: int, ring: bool = True) -> KVCache:
+    """A cache of `length` positions per slot in kv_layout(cfg, length, ring)."""
+    lay = kv_layout(cfg, length, ring)
+    dt = dtype_of(cfg)
+    shape = (len(lay.full_layers), batch, length, cfg.num_kv_heads, cfg.head_dim)
+    if not lay.ring_layers:
+      return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    rshape = (len(lay.ring_layers), batch, lay.ring_len, cfg.num_kv_heads, cfg.head_dim)
+    return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros(rshape, dt),
+               jnp.zeros(rshape, dt), ring_layers=lay.ring_layers)
 
   @property
   def length(self) -> int:
@@ -557,21 +674,36 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lengths_B: j
   return _logits(params, cfg, last), k, v, aux
 
 
-def insert(cache: KVCache, k: jax.Array, v: jax.Array, slots_P: jax.Array) -> KVCache:
-  """Write prefilled k/v [num_layers, P, T, K, hd] into cache slots (slot < 0: dropped)."""
+def insert(cache: KVCache, k: jax.Array, v: jax.Array, slots_P: jax.Array,
+           lengths_P: jax.Array | None = None) -> KVCache:
+  """Write prefilled k/v [num_layers, P, T, K, hd] into cache slots (slot < 0: dropped). A
+  full layer takes all T positions (the padding past a prompt is masked, then overwritten); a
+  ring layer only the last R of the prompt's lengths_P[p] positions, which a cache with rings
+  therefore needs."""
   t = k.shape[2]
   b = cache.k.shape[1]
   slots = jnp.where(slots_P < 0, b, slots_P)  # out of range -> dropped by mode='drop'
-  ck = cache.k.at[:, slots, :t].set(k, mode="drop")
-  cv = cache.v.at[:, slots, :t].set(v, mode="drop")
-  return KVCache(ck, cv)
+  if cache.k_ring is None or cache.v_ring is None:
+    ck = cache.k.at[:, slots, :t].set(k, mode="drop")
+    cv = cache.v.at[:, slots, :t].set(v, mode="drop")
+    return KVCache(ck, cv)
+  if lengths_P is None:
+    raise ValueError("insert into a cache with ring layers needs the prompts' lengths_P")
+  full, ring = split_layers(k.shape[0], cache.ring_layers)
+  ck, cv = cache.k, cache.v
+  if full.size:
+    ck = ck.at[:, slots, :t].set(k[full], mode="drop")
+    cv = cv.at[:, slots, :t].set(v[full], mode="drop")
+  rk, rv = insert_ring(cache.k_ring, cache.v_ring, k[ring], v[ring], slots_P, lengths_P)
+  return KVCache(ck, cv, rk, rv, ring_layers=cache.ring_layers)
 
 
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array,
            positions_B: jax.Array, valid_B: jax.Array, *, moe_fn: MoEFn | None = None):
   """One decode step for every slot: token at `positions_B` attends to cache[:positions_B] and
-  itself. Returns (logits [B, V] fp32, new cache, aux). Per-slot shapes are fixed by the cache
-  length, so a slot's result does not depend on the other slots (batch invariance)."""
+  itself (a ring layer: to the positions of its window its ring holds). Returns (logits [B, V]
+  fp32, new cache, aux). Per-slot shapes are fixed by the cache length and the ring length, so a
+  slot's result does not depend on the other slots (batch invariance)."""
   moe_fn = moe_fn or default_moe_fn(cfg)
   b = tokens_B.shape[0]
   s = cache.length
@@ -581,15 +713,41 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
   x = params["embed"][tokens_B][:, None]
   rows = jnp.arange(b)
 
-  def layer(carry, lp):
-    x, ck, cv = carry
-    li = lp["layer"]
-    q, k, v = _qkv(cfg, lp, x, pos_B1)
-    ck = ck.at[li, rows, positions_B].set(k[:, 0])
-    cv = cv.at[li, rows, positions_B].set(v[:, 0])
-    x = x + _attn_out(cfg, lp, attend(q, ck[li], cv[li], mask(lp), _sinks(cfg, lp)))
-    x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
-    return (x, ck, cv), aux
+  if cache.k_ring is None or cache.v_ring is None:
+    def layer(carry, lp):
+      x, ck, cv = carry
+      li = lp["layer"]
+      q, k, v = _qkv(cfg, lp, x, pos_B1)
+      ck = ck.at[li, rows, positions_B].set(k[:, 0])
+      cv = cv.at[li, rows, positions_B].set(v[:, 0])
+      x = x + _attn_out(cfg, lp, attend(q, ck[li], cv[li], mask(lp), _sinks(cfg, lp)))
+      x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
+      return (x, ck, cv), aux
 
-  (x, ck, cv), aux = scan_layers(layer, (x, cache.k, cache.v), _layer_xs(params, cfg))
-  return _logits(params, cfg, x[:, 0]), KVCache(ck, cv), aux
+    (x, ck, cv), aux = scan_layers(layer, (x, cache.k, cache.v), _layer_xs(params, cfg))
+    return _logits(params, cfg, x[:, 0]), KVCache(ck, cv), aux
+
+  r = cache.k_ring.shape[2]
+  _check_ring(cfg, cache.ring_layers, r)
+  has_full = cache.k.shape[0] > 0
+  r_mask = ring_mask(cfg, positions_B, r)
+
+  def ring_layer(carry, lp):
+    x, ck, cv, rk, rv = carry
+    fi, ri = lp["full_idx"], lp["ring_idx"]
+    q, k, v = _qkv(cfg, lp, x, pos_B1)
+    if has_full:
+      ck = ck.at[fi, rows, positions_B].set(k[:, 0], mode="drop")
+      cv = cv.at[fi, rows, positions_B].set(v[:, 0], mode="drop")
+    rk, rv = write_ring(rk, rv, ri, rows, positions_B, k, v)
+    sinks = _sinks(cfg, lp)
+    out = by_layer_kind(lp, has_full, lambda: attend(q, ck[fi], cv[fi], mask(lp), sinks),
+                        lambda: attend(q, rk[ri], rv[ri], r_mask, sinks))
+    x = x + _attn_out(cfg, lp, out)
+    x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
+    return (x, ck, cv, rk, rv), aux
+
+  xs = _kv_xs(_layer_xs(params, cfg), cfg.num_layers, cache.ring_layers)
+  (x, ck, cv, rk, rv), aux = scan_layers(
+      ring_layer, (x, cache.k, cache.v, cache.k_ring, cache.v_ring), xs)
+  return _logits(params, cfg, x[:, 0]), KVCache(ck, cv, rk, rv, cache.ring_layers), aux

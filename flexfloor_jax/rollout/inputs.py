@@ -268,18 +268,17 @@ def prepare_rollout(config):
 
 
 def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> memory.FloorTerms:
-  """The floor's terms of a config; rollout.kv='paged': KV = the page pool + the state of its
-  max_seqs rows, and a sequence row in flight = a full sequence's pages + its state."""
+  """The floor's terms of a config; rollout.kv='paged': KV = the page pool + the rings of the
+  sliding layers and the state of its max_seqs rows, and a sequence row in flight = a full
+  sequence's pages + its rings + its state."""
   r = config.rollout
   seq = max_seq_len or config.model.max_seq_len
   t = memory.floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)
   if getattr(r, "kv", "slots") != "paged":
     return t
-  per_token = (t.kv - engine_lib.state_bytes_per_worker(
-      model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)) // (
-          r.slots_per_worker * seq)
+  per_token, rings = memory.kv_bytes(model_cfg, seq)  # pages: the full layers only
   state = engine_lib.state_bytes_per_worker(model_cfg, r.max_seqs, seq, r.max_new_tokens,
                                             r.record_routes)
-  pool = kv_pool.pages_per_worker(r, seq) * r.page_size * per_token
-  row = pages_for(seq, r.page_size) * r.page_size * per_token + state // r.max_seqs
+  pool = kv_pool.pages_per_worker(r, seq) * r.page_size * per_token + r.max_seqs * rings
+  row = pages_for(seq, r.page_size) * r.page_size * per_token + rings + state // r.max_seqs
   return dataclasses.replace(t, kv=pool + state, workspace=2 * t.expert + 2 * row)

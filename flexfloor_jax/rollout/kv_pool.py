@@ -16,7 +16,10 @@ class KVPoolError(ValueError):
 def pages_per_worker(r, max_seq_len: int) -> int:
   """rollout.kv_pages, or (0) the pages of the fixed-slot cache's bytes:
   equal_budget_pages(slots_per_worker, max_seq_len, page_size). A pool must hold one sequence
-  of max_seq_len tokens (else a lone sequence could not finish)."""
+  of max_seq_len tokens (else a lone sequence could not finish). Sliding layers whose window is
+  shorter than max_seq_len keep no pages but a ring per sequence row (transformer.KVLayout):
+  the pages then hold the fixed-slot cache's full-layer bytes, and the rings are max_seqs rows'
+  where the fixed slots have slots_per_worker (the floor counts both: inputs.terms_for_config)."""
   n = r.kv_pages or equal_budget_pages(r.slots_per_worker, max_seq_len, r.page_size)
   need = pages_for(max_seq_len, r.page_size)
   if n < need:

@@ -35,7 +35,7 @@ from flexfloor_jax.sim.replay import replay
 
 def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
               max_seq_len: int) -> int:
-  kv = slots_per_worker * max_seq_len * model.kv_bytes_per_token
+  kv = slots_per_worker * model.kv_bytes(max_seq_len)
   return floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, kv,
                        int(hw.hbm_bytes), ep)
 
@@ -230,7 +230,7 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
   pick holds the fewest occupied device-seconds among those whose makespan is within `slack` of
   the floor at ep (no release: balanced's memory) and whose makespan x device-seconds is no
   more than the floor at ep's. Returns the pick, its pages and every candidate's terms."""
-  row = max_seq_len * model.kv_bytes_per_token
+  row = model.kv_bytes(max_seq_len)
   workspace = 2 * model.expert_bytes + 2 * row  # engine.memory.floor_terms: in-flight moves
   pred = prediction.predict(history, probe)
   guess = [dataclasses.replace(s, target_len=int(max(1, min(round(p), s.max_new_tokens))))

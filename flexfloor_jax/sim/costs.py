@@ -6,7 +6,8 @@ Roofline (`RooflineCost`), one SPMD step on an EP group of n active workers:
      bytes_w = non-expert weights (replicated; all read every step)
              + experts held by w that at least one token of the step is routed to (expected
                number under uniform top-k routing) x bytes of one expert
-             + KV bytes of w's live sequences (every cached token of every live slot is read)
+             + KV bytes of w's live sequences (every cached token of every live slot is read;
+               a sliding-window layer only its window's: Model.kv_read_bytes)
   all_to_all:   t_a2a = max_w (dispatch + combine bytes leaving w) / interconnect bandwidth
                         + 2 collectives x layers x collective latency        (0 when n = 1)
   step time   = fixed step overhead + max_w t_w + t_a2a
@@ -54,7 +55,7 @@ class RooflineCost:
       return hw.step_overhead_s
     hit = 1.0 - (1.0 - m.top_k / m.experts) ** T  # the chance an expert gets >= 1 of the T tokens
     bytes_w = m.nonexpert_read_bytes + experts_held * hit * m.expert_bytes \
-        + ctx * m.kv_bytes_per_token
+        + m.kv_read_bytes(tokens, ctx)
     routed = T * m.top_k * experts_held / m.experts  # token copies served by each worker
     if attn_ctx is None:
       attn_ctx = ctx

@@ -2,11 +2,15 @@
 
 A `Model` is sized from its dimensions by `model.param_count`, the formula the engine's model
 config uses as well; the presets take their dimensions from `model.config.PRESETS` (one source).
+Its KV bytes follow the engine's cache layout (model.transformer.KVLayout): a sliding-window layer
+holds only its window's tokens of a sequence, every other layer all of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 from flexfloor_jax.model import param_count
 from flexfloor_jax.model.config import PRESETS, ModelConfig
@@ -77,13 +81,18 @@ class Model:
   top_k: int
   dtype_bytes: int = 2
   source: str = ""
+  # layers that read only the last `sliding_window` tokens (GPT-OSS: every other one); 0: none
+  sliding_layers: int = 0
+  sliding_window: int = 0
 
   @classmethod
   def from_config(cls, name: str, cfg: ModelConfig, source: str = "") -> Model:
     """The engine's model config (`model.config.ModelConfig`) as a simulator model."""
+    sliding = sum(cfg.window_of(i) is not None for i in range(cfg.num_layers))
     return cls(name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k,
-               dtype_bytes=DTYPE_BYTES.get(cfg.dtype, 4), source=source)
+               dtype_bytes=DTYPE_BYTES.get(cfg.dtype, 4), source=source,
+               sliding_layers=sliding, sliding_window=(cfg.sliding_window or 0) if sliding else 0)
 
   @property
   def expert_params(self) -> int:
@@ -113,9 +122,33 @@ class Model:
   def nonexpert_read_bytes(self) -> int:
     return self.nonexpert_read_params * self.dtype_bytes
 
+  def _kv_layer_token_bytes(self) -> int:
+    return 2 * self.kv_heads * self.head_dim * self.dtype_bytes  # K and V of one layer, one token
+
   @property
   def kv_bytes_per_token(self) -> int:
-    return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+    """KV bytes per cached token of the layers that keep every token (all of them without
+    sliding layers): what a paged pool's pages hold per token, the growth of a sequence past its
+    window."""
+    return (self.layers - self.sliding_layers) * self._kv_layer_token_bytes()
+
+  def kv_bytes(self, tokens):
+    """KV bytes one sequence of `tokens` cached tokens holds (scalar or array): every token in a
+    full layer, min(tokens, window) in a sliding one."""
+    window = np.minimum(tokens, self.sliding_window)
+    out = tokens * self.kv_bytes_per_token + \
+        window * self.sliding_layers * self._kv_layer_token_bytes()
+    return int(out) if np.ndim(out) == 0 else out
+
+  def kv_read_bytes(self, rows, ctx):
+    """KV bytes a step reads on each worker with `rows` sequences holding `ctx` cached tokens
+    between them (arrays per worker): the full layers every token, the sliding layers at most
+    each row's window, min(ctx, rows x window). Exact when every row is past its window or none
+    is; otherwise an upper bound of the per-row sum (rows are not seen one by one here)."""
+    ctx = np.asarray(ctx, float)
+    window = np.minimum(ctx, np.asarray(rows, float) * self.sliding_window)
+    return ctx * self.kv_bytes_per_token + \
+        window * self.sliding_layers * self._kv_layer_token_bytes()
 
   @property
   def params(self) -> int:
@@ -132,6 +165,12 @@ MODELS = {
     "qwen3-30b-a3b": Model.from_config(
         "qwen3-30b-a3b", PRESETS["qwen3-30b-a3b"],
         source="huggingface.co/Qwen/Qwen3-30B-A3B/config.json"),
+    "gpt-oss-20b": Model.from_config(
+        "gpt-oss-20b", PRESETS["gpt-oss-20b"],
+        source="huggingface.co/openai/gpt-oss-20b/config.json"),
+    "gpt-oss-120b": Model.from_config(
+        "gpt-oss-120b", PRESETS["gpt-oss-120b"],
+        source="huggingface.co/openai/gpt-oss-120b/config.json"),
     "tiny": Model.from_config("tiny", PRESETS["tiny"],
                               source="flexfloor_jax/model/config.py PRESETS['tiny']"),
 }

@@ -202,6 +202,8 @@ BAD = [
     ("bench", "bench", "cost_model", "roofline:mixtral-8x7b@abacus"),
     ("bench", "bench", "cost_model", "roofline:nope@h100"),
     ("bench", "bench", "cost_model", "mixtral-8x7b@h100"),
+    ("bench", "bench", "seeds", "0,-1"),
+    ("bench", "bench", "seeds", 3),
     ("train", "grpo", "rl.tasks", "sort,fly"),
     ("train", "grpo", "rl.tasks", ""),
     ("train", "grpo", "rl.num_prompts", 0),

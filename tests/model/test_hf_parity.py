@@ -132,7 +132,8 @@ def _our_greedy(case: Case, tokens: np.ndarray):
   b = tokens.shape[0]
   lengths = jnp.asarray(LENGTHS)
   logits, k, v = case.prefill(case.params, jnp.asarray(tokens), lengths)
-  cache = case.insert(tr.KVCache.zeros(case.cfg, b, PAD_T + NEW_TOKENS), k, v, jnp.arange(b))
+  cache = case.insert(tr.KVCache.zeros(case.cfg, b, PAD_T + NEW_TOKENS), k, v, jnp.arange(b),
+                      lengths)
   toks, all_logits = [], []
   tok = jnp.argmax(logits, -1).astype(jnp.int32)
   for i in range(NEW_TOKENS):
@@ -185,7 +186,8 @@ def test_kv_cache_decode_equals_full_forward(cases, name):
   """Teacher-forced decode from a prefilled cache gives the full-sequence logits. Two rounds:
   prompts of different lengths (padded k/v past each length land in the cache and must be
   overwritten or masked), then 1-token prompts decoded to the end (every position 0..27). The
-  cache (48) is longer than the window (4), so the decode-side window mask is exercised."""
+  cache (48) is longer than the window (4), so the swa case keeps every layer in a ring of 4
+  positions (transformer.KVLayout) and reads its window from it."""
   case = cases[name]
   total_t = PAD_T + 12
   b = len(LENGTHS)
@@ -198,7 +200,8 @@ def test_kv_cache_decode_equals_full_forward(cases, name):
     prompt = np.where(np.arange(PAD_T)[None] < lengths[:, None], seq[:, :PAD_T], 0)
     logits, k, v = case.prefill(case.params, jnp.asarray(prompt), jnp.asarray(lengths))
     diffs.append(np.abs(np.asarray(logits) - full[rows, lengths - 1]).max())
-    cache = case.insert(tr.KVCache.zeros(case.cfg, b, PAD_T + NEW_TOKENS), k, v, jnp.arange(b))
+    cache = case.insert(tr.KVCache.zeros(case.cfg, b, PAD_T + NEW_TOKENS), k, v, jnp.arange(b),
+                        jnp.asarray(lengths))
     for i in range(total_t - lengths.max()):
       pos = lengths + i
       logits, cache = case.decode(case.params, cache, jnp.asarray(seq[rows, pos], jnp.int32),

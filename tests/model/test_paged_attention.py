@@ -31,12 +31,14 @@ def _gathered(cache: paged.PagedKVCache, table):
   return np.asarray(view(cache.k_pages, table)), np.asarray(view(cache.v_pages, table))
 
 
-def _garbage_pool(cfg, seed):
-  """A pool full of finite values that no row owns (stale pages of earlier sequences)."""
-  c = paged.PagedKVCache.zeros(cfg, NUM_PAGES, PAGE)
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  return paged.PagedKVCache(jax.random.normal(k1, c.k_pages.shape, c.k_pages.dtype),
-                            jax.random.normal(k2, c.v_pages.shape, c.v_pages.dtype))
+def _garbage_pool(cfg, seed, rows: int = 0):
+  """A pool full of finite values that no row owns (stale pages and rings of earlier
+  sequences); `rows` > 0: with the sliding layers' rings for that many rows of M*PAGE tokens."""
+  c = paged.PagedKVCache.zeros(cfg, NUM_PAGES, PAGE, rows, M * PAGE)
+  leaves, tree = jax.tree.flatten(c)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
+                                   for k, x in zip(keys, leaves, strict=True)])
 
 
 def _tables(rng, rows):
@@ -81,13 +83,18 @@ def _prompts(rng, lengths, cfg):
 # -------------------------------------------------------------------------------------- model level
 
 
-@pytest.mark.parametrize("window", [None, 6], ids=["causal", "sliding6"])
-def test_decode_paged_bitwise_equals_fixed_slot_decode(window):
+@pytest.mark.parametrize("window, sliding, ring", [(None, (), True), (6, (), True),
+                                                   (6, (), False), (6, (1,), True)],
+                         ids=["causal", "sliding6", "sliding6-full-store", "layer1-sliding6"])
+def test_decode_paged_bitwise_equals_fixed_slot_decode(window, sliding, ring):
   """Prefill into pages == insert into slots at every prompt position; then each decode step's
   logits and new k/v (every position a row has written) are bitwise those of `tfm.decode` over a
   fixed cache of length M*PAGE. Row lengths 3 and 7 cross a page boundary while decoding; 8 ends
-  exactly on one (its first decode token opens a new page); 1 is a one-token prompt."""
-  cfg = TINY.replace(sliding_window=window)
+  exactly on one (its first decode token opens a new page); 1 is a one-token prompt. A window of
+  6 on every layer: both caches keep every layer in rings of 6 positions and none in pages or
+  full rows, or (full store) every position of every layer; on layer 1 only (GPT-OSS's mix):
+  layer 0 in pages and full rows, layer 1 in rings."""
+  cfg = TINY.replace(sliding_window=window, sliding_layers=sliding)
   params = make_params(cfg, seed=3)
   rng = np.random.default_rng(7)
   lengths = np.array([3, 8, 7, 1], np.int32)
@@ -97,8 +104,19 @@ def test_decode_paged_bitwise_equals_fixed_slot_decode(window):
   prefill, decode, decode_p = _steps(cfg)
 
   logits, k, v = prefill(params, jnp.asarray(prompts), jnp.asarray(lengths))
-  fixed = _insert(tfm.KVCache.zeros(cfg, b, M * PAGE), k, v, jnp.arange(b))
-  pool = _insert_paged(_garbage_pool(cfg, 1), k, v, jnp.asarray(table), jnp.asarray(lengths))
+  fixed = _insert(tfm.KVCache.zeros(cfg, b, M * PAGE, ring), k, v, jnp.arange(b),
+                  jnp.asarray(lengths))
+  pool = _insert_paged(_garbage_pool(cfg, 1, b if ring else 0), k, v, jnp.asarray(table),
+                       jnp.asarray(lengths), jnp.arange(b))
+  rings = window is not None and ring
+  n_ring = (len(sliding) or cfg.num_layers) if rings else 0
+  kv_shape = (cfg.num_kv_heads, cfg.head_dim)
+  assert fixed.k.shape == (cfg.num_layers - n_ring, b, M * PAGE, *kv_shape)
+  assert pool.k_pages.shape[0] == cfg.num_layers - n_ring
+  if rings:
+    assert fixed.k_ring.shape == pool.k_ring.shape == (n_ring, b, window, *kv_shape)
+  else:
+    assert fixed.k_ring is None and pool.k_ring is None
 
   def assert_same_cache(written_B):
     gk, gv = _gathered(pool, jnp.asarray(table))
@@ -106,6 +124,10 @@ def test_decode_paged_bitwise_equals_fixed_slot_decode(window):
       n = written_B[r]
       np.testing.assert_array_equal(gk[:, r, :n], np.asarray(fixed.k)[:, r, :n])
       np.testing.assert_array_equal(gv[:, r, :n], np.asarray(fixed.v)[:, r, :n])
+      if rings:  # the ring slots of the window's positions
+        slots = np.arange(max(0, n - window), n) % window
+        for a, f in ((pool.k_ring, fixed.k_ring), (pool.v_ring, fixed.v_ring)):
+          np.testing.assert_array_equal(np.asarray(a)[:, r, slots], np.asarray(f)[:, r, slots])
 
   assert_same_cache(lengths)
   lf = lp = np.asarray(logits)
