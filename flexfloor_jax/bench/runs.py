@@ -19,14 +19,13 @@ import sys
 import time
 from typing import Any
 
-import jax.numpy as jnp
 from tqdm import tqdm
 
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.bench import document
 from flexfloor_jax.bench.document import lanes, paged, pool_factory
 from flexfloor_jax.config import files, settings
-from flexfloor_jax.model import transformer as tfm
+from flexfloor_jax.engine import memory as engine_memory
 from flexfloor_jax.model.tokenizer import load_tokenizer
 from flexfloor_jax.policy.history import LengthHistory
 from flexfloor_jax.rollout import inputs, runner
@@ -111,12 +110,11 @@ def _run_epoch(st, k: int, history, pool, progress: bool) -> dict:
 
 
 def fixed_slot_kv_bytes(model_cfg, slots_per_worker: int, max_seq_len: int) -> int:
-  """KV bytes per worker of the fixed-slot cache (slots_per_worker rows of max_seq_len tokens,
-  K and V of every layer): what kv_pages=0 gives the paged pool, rounded down to whole pages."""
-
-  per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim \
-      * jnp.dtype(tfm.dtype_of(model_cfg)).itemsize
-  return int(slots_per_worker) * int(max_seq_len) * per_token
+  """KV bytes per worker of the fixed-slot cache (slots_per_worker rows of max_seq_len tokens in
+  the full layers, a window's ring in each sliding layer: engine.memory.kv_bytes): what
+  kv_pages=0 gives the paged pool, rounded down to whole pages."""
+  per_token, rings = engine_memory.kv_bytes(model_cfg, max_seq_len)
+  return int(slots_per_worker) * (int(max_seq_len) * per_token + rings)
 
 
 def kv_spec(c, summary: dict) -> dict | None:

@@ -58,7 +58,9 @@ class WorkloadSpec:
 # sequences run at once: per group of 8 devices 16 prompts x 16 samples, per-prompt lognormal
 # lengths around a median of 3,000 tokens (sigma 0.6), per-sample noise sigma 0.3, cap 16,384,
 # prompts of 512 tokens, the history of 2 earlier epochs. Fixed, not tuned.
-WORKLOADS = ('default', 'long_reasoning')
+# grpo_trace: the response lengths of one of the project's own GRPO runs (real EOS), replayed
+# (`Trace`, sim/traces/).
+WORKLOADS = ('default', 'long_reasoning', 'grpo_trace')
 @dataclass(frozen=True)
 class LongReasoning:
   prompts_per_8_devices: int = 16
@@ -178,3 +180,84 @@ def read_lengths_jsonl(path: str) -> dict[tuple[str, int], int]:
       raise ValueError(f'{path}:{i}: duplicate (id, sample) {key}')
     out[key] = n
   return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Recorded traces: {"source": how it was made, "max_new_tokens": cap,
+#   "prompts": {prompt id: {"prompt_len": tokens, "epochs": [[sample lengths of epoch 0], ...]}}}
+
+
+@dataclass(frozen=True)
+class Trace:
+  """Response lengths a real run recorded: per prompt its prompt length and, for every epoch, the
+  lengths of its samples (each prompt the same number of epochs and samples)."""
+  source: str
+  max_new_tokens: int
+  prompt_len: dict[str, int]
+  epochs: dict[str, list[list[int]]]
+
+  @property
+  def num_epochs(self) -> int:
+    return len(next(iter(self.epochs.values())))
+
+  @property
+  def samples_per_prompt(self) -> int:
+    return len(next(iter(self.epochs.values()))[0])
+
+
+def load_trace(path: str) -> Trace:
+  """A trace file (the format above); ValueError names the file and the bad entry."""
+  try:
+    with open(path) as f:
+      doc = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f'{path}: cannot read a trace: {e}') from None
+  cap = doc.get('max_new_tokens') if isinstance(doc, dict) else None
+  prompts = doc.get('prompts') if isinstance(doc, dict) else None
+  if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1 or not isinstance(prompts, dict) \
+      or not prompts:
+    raise ValueError(f'{path}: a trace needs "max_new_tokens" (an int >= 1) and a non-empty '
+                     f'"prompts" table')
+  plen, epochs, shape = {}, {}, None
+  for pid, rec in prompts.items():
+    ep = rec.get('epochs') if isinstance(rec, dict) else None
+    pl = rec.get('prompt_len') if isinstance(rec, dict) else None
+    ok = (isinstance(pl, int) and not isinstance(pl, bool) and pl >= 1 and isinstance(ep, list)
+          and ep and all(isinstance(v, list) and v for v in ep)
+          and all(isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= cap
+                  for v in ep for n in v))
+    if not ok or not isinstance(ep, list):
+      raise ValueError(f'{path}: prompt {pid!r}: needs "prompt_len" (an int >= 1) and "epochs", '
+                       f'lists of sample lengths (ints in 1..{cap})')
+    if shape is None:
+      shape = (len(ep), len(ep[0]))
+    if (len(ep), {len(v) for v in ep}) != (shape[0], {shape[1]}):
+      raise ValueError(f'{path}: prompt {pid!r}: {len(ep)} epochs of {sorted({len(v) for v in ep})}'
+                       f' samples; the first prompt has {shape[0]} of {shape[1]}')
+    plen[str(pid)], epochs[str(pid)] = pl, [list(v) for v in ep]
+  return Trace(source=str(doc.get('source', '')), max_new_tokens=cap, prompt_len=plen,
+               epochs=epochs)
+
+
+def trace_rollout(trace: Trace, copies: int, seed: int) -> tuple[list[Seq], dict[int, list[Seq]]]:
+  """The batch a trace replays: `copies` copies of its prompts (prompt ids '<id>/<copy>', one copy
+  per group of 8 devices, as the other workloads scale), at epoch num_epochs - 1 - seed (seed 0:
+  the trace's last epoch) with targets from the trace; and the batches of every epoch before it
+  (the history a run would have). Seeds past the second-to-last epoch have no history: refused."""
+  epoch = trace.num_epochs - 1 - int(seed)
+  if not 1 <= epoch:
+    raise ValueError(f'seed {seed}: the trace has {trace.num_epochs} epochs, so seeds 0..'
+                     f'{trace.num_epochs - 2} (each replays an epoch with the ones before it as '
+                     f'history)')
+
+  def batch(e: int) -> list[Seq]:
+    out = []
+    for c in range(copies):
+      for pid in trace.epochs:
+        for s, n in enumerate(trace.epochs[pid][e]):
+          out.append(Seq(seq_id=len(out), prompt_id=f'{pid}/{c}', sample=s,
+                         prompt_len=trace.prompt_len[pid], target_len=int(n),
+                         max_new_tokens=trace.max_new_tokens))
+    return out
+
+  return batch(epoch), {e: batch(e) for e in range(epoch)}

@@ -16,7 +16,7 @@ from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.floor import FloorError
 from flexfloor_jax.sim import measured_hw
-from flexfloor_jax.sim.cluster import simulate_cluster
+from flexfloor_jax.sim.cluster import GRPO_TRACE, simulate_cluster
 from flexfloor_jax.sim.plot import plot_cluster
 from flexfloor_jax.sim.presets import GB, GIB, HARDWARE, MODELS
 from flexfloor_jax.sim.records import calibrate_and_predict, format_calibration, load_run_record
@@ -128,6 +128,18 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: --seeds: {e}", file=sys.stderr)
     sys.exit(2)
+  if F.workload == "grpo_trace":
+    try:
+      trace = workload.load_trace(GRPO_TRACE)
+    except ValueError as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    for seed in seeds:
+      try:
+        workload.trace_rollout(trace, 1, seed)
+      except ValueError as e:
+        print(f"error: --seeds: {e}", file=sys.stderr)
+        sys.exit(2)
   if not 0 < F.memory_utilization <= 1:
     print(f"error: --memory_utilization must be in (0, 1], got {F.memory_utilization}",
           file=sys.stderr)
@@ -220,7 +232,9 @@ def define_flags():
   flags.DEFINE_enum("workload", "default", list(workload.WORKLOADS), "default: --length_scale "
                     "x the default rollout's lengths; long_reasoning: 16 prompts x 16 samples "
                     "per 8 devices, median 3,000 tokens, cap 16,384, prompts of 512 "
-                    "(policy/workload.py LONG_REASONING)")
+                    "(policy/workload.py LONG_REASONING); grpo_trace: the lengths of a GRPO "
+                    "run of configs/grpo.py (real EOS), one copy of its prompts per 8 devices, "
+                    "the seed picking the epoch (0 = its last, the earlier ones the history)")
   flags.DEFINE_integer("steps_per_dispatch", 0, "decode steps between host checks; 0 = 8 x "
                        "length_scale (the default rollout's granularity)")
   flags.DEFINE_string("output_dir", "sim_out", "where sim.json and sim.png go")

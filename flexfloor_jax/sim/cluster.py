@@ -271,6 +271,11 @@ def pick_floor(rows: list[dict], slack: float) -> dict:
   return min(ok, key=lambda r: (r["predicted_occupied_device_seconds"], -r["floor"]))
 
 
+# The response lengths of a GRPO run of configs/grpo.py (real EOS), how it was made in its
+# "source" field: the `grpo_trace` workload.
+GRPO_TRACE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "grpo_tiny.json")
+
+
 def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      slots_per_worker: int = workload.DEFAULT_SLOTS_PER_WORKER,
                      seqs_per_device: int = 8, samples_per_prompt: int = 8,
@@ -286,7 +291,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
   (the default rollout: 64 on 8 workers), median and cap x length_scale (cap = max_new_tokens);
   workload_name='long_reasoning' replaces it (and prompt_len, epochs) with
-  workload.LONG_REASONING.
+  workload.LONG_REASONING; 'grpo_trace' with the lengths of GRPO_TRACE (workload.trace_rollout:
+  one copy of its prompts per 8 devices; the seed picks the epoch, 0 = its last).
   steps_per_dispatch 0 = the default rollout's 8 steps per 64 tokens of median response: the same
   host-check granularity relative to response length (finishes and refills stop a dispatch at the
   exact step anyway).
@@ -311,7 +317,18 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   ep = ep or min(devices, model.experts, 8)
   if ep > model.experts or devices % ep:
     raise ValueError(f"ep={ep} must divide devices={devices} and be <= {model.experts} experts")
-  if workload_name == "long_reasoning":
+  trace_batches = None
+  if workload_name == "grpo_trace":
+    trace = workload.load_trace(GRPO_TRACE)
+    seqs, trace_batches = workload.trace_rollout(trace, max(1, devices // 8), seed)
+    prompt_len = max(s.prompt_len for s in seqs)  # the cache holds the longest prompt
+    epochs = len(trace_batches) + 1
+    spec = workload.WorkloadSpec(
+        num_prompts=len(seqs) // trace.samples_per_prompt,
+        samples_per_prompt=trace.samples_per_prompt, seed=seed,
+        median=float(np.median(list(workload.target_lengths(seqs).values()))),
+        cap=trace.max_new_tokens)
+  elif workload_name == "long_reasoning":
     spec = workload.long_reasoning_spec(devices, seed)
     prompt_len, epochs = workload.LONG_REASONING.prompt_len, workload.LONG_REASONING.epochs
   else:
@@ -323,12 +340,14 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * spec.median / workload.DEFAULT_MEDIAN)))
   floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
   last = epochs - 1
-  seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
   hist = LengthHistory()
-  for e in range(last):
-    prev = workload.make_seqs(spec, e, prompt_len=prompt_len)
+  if trace_batches is None:
+    seqs = workload.make_seqs(spec, last, prompt_len=prompt_len)
+    trace_batches = {e: workload.make_seqs(spec, e, prompt_len=prompt_len) for e in range(last)}
+  for e, prev in trace_batches.items():
     hist.add_rollout(e, prev, workload.target_lengths(prev))
-  ctx = prompt_len + spec.median / 2  # mean cached tokens a live sequence reads (decode)
+  # mean cached tokens a live sequence reads (decode)
+  ctx = float(np.mean([s.prompt_len for s in seqs])) + spec.median / 2
   lanes_per_worker = slots_per_worker
   paged: dict[str, tuple[int, int, float]] = {}  # schedule -> (pages, page size, margin)
   floors: dict[str, int] = {}

@@ -2,6 +2,7 @@
 the default sigma: sim/test_calibrate.py.)"""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -63,3 +64,43 @@ def test_jsonl_errors_name_file_and_line(tmp_path, lines, where, match):
 def test_jsonl_missing_file(tmp_path):
   with pytest.raises(ValueError, match='cannot read'):
     W.read_lengths_jsonl(str(tmp_path / 'missing.jsonl'))
+
+
+def _trace(tmp_path, prompts, cap=8):
+  path = tmp_path / "trace.json"
+  path.write_text(json.dumps({"source": "by hand", "max_new_tokens": cap, "prompts": prompts}))
+  return str(path)
+
+
+def test_trace_replays_an_epoch_with_the_earlier_ones_as_history(tmp_path):
+  """Two prompts, three epochs of two samples. Seed 0 replays the last epoch with epochs 0 and 1
+  as history, seed 1 the middle one with epoch 0; two copies double the batch under new ids."""
+  t = W.load_trace(_trace(tmp_path, {
+      "a": {"prompt_len": 3, "epochs": [[1, 2], [3, 4], [5, 6]]},
+      "b": {"prompt_len": 5, "epochs": [[7, 8], [1, 1], [2, 8]]}}))
+  assert (t.num_epochs, t.samples_per_prompt, t.max_new_tokens) == (3, 2, 8)
+  seqs, hist = W.trace_rollout(t, 2, 0)
+  assert [s.target_len for s in seqs] == [5, 6, 2, 8, 5, 6, 2, 8]
+  assert [s.prompt_id for s in seqs] == ["a/0", "a/0", "b/0", "b/0", "a/1", "a/1", "b/1", "b/1"]
+  assert [s.prompt_len for s in seqs[:4]] == [3, 3, 5, 5]
+  assert sorted(hist) == [0, 1] and [s.target_len for s in hist[1][:4]] == [3, 4, 1, 1]
+  assert len({s.seq_id for s in seqs}) == 8
+  seqs, hist = W.trace_rollout(t, 1, 1)
+  assert [s.target_len for s in seqs] == [3, 4, 1, 1] and sorted(hist) == [0]
+  with pytest.raises(ValueError, match="seeds 0..1"):
+    W.trace_rollout(t, 1, 2)  # epoch 0 has no history
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ({}, "non-empty"),
+    ({"a": {"prompt_len": 0, "epochs": [[1]]}}, "prompt 'a'"),
+    ({"a": {"prompt_len": 2, "epochs": [[1, 9]]}}, r"ints in 1..8"),
+    ({"a": {"prompt_len": 2, "epochs": [[1, True]]}}, "prompt 'a'"),
+    ({"a": {"prompt_len": 2, "epochs": [[1], [2]]}, "b": {"prompt_len": 2, "epochs": [[1]]}},
+     "the first prompt has 2"),
+])
+def test_trace_errors_name_the_file_and_the_entry(tmp_path, prompts, match):
+  path = _trace(tmp_path, prompts)
+  with pytest.raises(ValueError, match=match) as e:
+    W.load_trace(path)
+  assert path in str(e.value)

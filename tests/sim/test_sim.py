@@ -46,13 +46,15 @@ def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
     ("--seeds=1,1", "--seeds", "repeat"),
     ("--seeds=-2", "--seeds", "-2"),
     ("--memory_utilization=1.5", "--memory_utilization", "1.5"),
+    (("--workload=grpo_trace", "--seeds=0,19"), "--seeds", "seed 19"),  # 20 epochs recorded
 ])
 def test_bad_cli_input_is_one_line(tmp_path, flag, named, value):
   """Bad input, as a user runs it: exit 2, one `error:` line naming the flag and the value, no
   traceback, nothing written. (The sim's checks read absl's parsed flags inside cli.main: these
   runs are their test. A bad measured table: test_measured_hw.py.)"""
   out = tmp_path / "out"
-  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", flag, f"--output_dir={out}"],
+  flags = [flag] if isinstance(flag, str) else list(flag)
+  r = subprocess.run([sys.executable, "-m", "flexfloor_jax.sim", *flags, f"--output_dir={out}"],
                      cwd=ROOT, capture_output=True, text=True, timeout=60)
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
@@ -254,3 +256,18 @@ def test_paged_kv_cluster_table():
     assert 0 < more["kv"][label]["peak_pages"] <= more["kv"]["num_pages"]
   with pytest.raises(ValueError):
     simulate_cluster(model, hw, 8, kv="pages", **kw)
+
+
+def test_grpo_trace_replays_the_recorded_lengths():
+  """The grpo_trace workload at 8 devices: every schedule generates exactly the trace's lengths
+  of the replayed epoch (seed 0: its last), scheduled with the history of the epochs before."""
+  from flexfloor_jax.policy import workload
+  from flexfloor_jax.sim import cluster, presets
+  trace = workload.load_trace(cluster.GRPO_TRACE)
+  want = sum(n for e in trace.epochs.values() for n in e[-1])
+  r = cluster.simulate_cluster(presets.MODELS["qwen3-30b-a3b"], presets.HARDWARE["h100"], 8,
+                               workload_name="grpo_trace", processes=1)
+  assert r["epoch"] == trace.num_epochs - 1
+  for name in ("static", "balanced", "flexfloor"):
+    assert r[name]["generated_tokens"] == want
+  assert r["workload"]["cap"] == trace.max_new_tokens
