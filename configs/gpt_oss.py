@@ -16,4 +16,6 @@ PRESETS = {"tiny": "gpt-oss-tiny", "20b": "gpt-oss-20b", "120b": "gpt-oss-120b"}
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-  return family_config("gpt_oss", PRESETS, preset)
+  c = family_config("gpt_oss", PRESETS, preset)
+  c.scheduler.cost_model = "roofline:gpt-oss-20b@h100"  # the pair the tiny model stands for
+  return c

@@ -106,8 +106,11 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
   # (placement, and with a step cost model each release), in exchange for less device time
   c.scheduler.makespan_slack = 0.05
-  # what a release must pay in: 'measured' (the engine's decode-step seconds per group size, kept
-  # in the history: the time-aware floor) | 'steps' (device-steps alone) | 'auto' (measured on
-  # TPU/GPU, steps on emulated CPU devices, whose step times depend on the host's load)
+  # what placement, admission and releases decide in: 'measured' (the engine's decode-step
+  # seconds per group size, kept in the history: the time-aware floor) | 'steps' (device-steps
+  # alone) | 'roofline:MODEL@HARDWARE' | 'auto' (measured on TPU/GPU; on emulated CPU devices,
+  # whose step times depend on the host's load, the roofline of scheduler.cost_model)
   c.scheduler.step_cost = "auto"
+  # the full-size model and hardware pair this config stands for (the simulator's presets)
+  c.scheduler.cost_model = "roofline:mixtral-8x7b@h100"
   return c

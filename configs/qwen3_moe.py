@@ -15,4 +15,6 @@ PRESETS = {"tiny": "qwen3-tiny", "30b-a3b": "qwen3-30b-a3b", "235b-a22b": "qwen3
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
-  return family_config("qwen3_moe", PRESETS, preset)
+  c = family_config("qwen3_moe", PRESETS, preset)
+  c.scheduler.cost_model = "roofline:qwen3-30b-a3b@h100"  # the pair the tiny model stands for
+  return c

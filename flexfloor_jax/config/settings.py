@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from flexfloor_jax.config.reader import DTYPES, EXCHANGES, ConfigError, Reader
+from flexfloor_jax.config.reader import DTYPES, EXCHANGES, REQUIRED, ConfigError, Reader
 from flexfloor_jax.model.config import ATTENTION_BACKENDS, MOE_BACKENDS, PRESETS
 from flexfloor_jax.model.tokenizer import ByteTokenizer
 from flexfloor_jax.policy import costs, plan, workload
@@ -107,6 +107,7 @@ class SchedulerSettings:
   release_sizes: str
   makespan_slack: float
   step_cost: str
+  cost_model: str  # 'roofline:MODEL@HARDWARE': what 'auto' decides in on emulated CPU devices
 
 
 def _model(c) -> ModelSettings:
@@ -186,7 +187,7 @@ def _scheduler(c) -> SchedulerSettings:
       history_path=r.text("history_path"), compaction=r.flag("compaction"),
       placement=r.choice("placement", plan.PLACEMENTS, default="auto"), release_sizes=sizes,
       makespan_slack=r.num("makespan_slack", 0, 1, default=0.05),
-      step_cost=_step_cost(r))
+      step_cost=_step_cost(r), cost_model=_cost_model(r, costs.DEFAULT_COST_MODEL))
 
 
 def _step_cost(r: Reader) -> str:
@@ -274,9 +275,10 @@ def _seeds(r: Reader) -> tuple[int, ...]:
     raise ConfigError(f"{r.name('seeds')}: {e}") from None
 
 
-def _cost_model(r: Reader) -> str:
-  """bench's cost_model, checked before any run (sim.presets.parse_cost_model)."""
-  text = r.text("cost_model", nonempty=True)
+def _cost_model(r: Reader, default=REQUIRED) -> str:
+  """A cost_model field (the bench's; the scheduler's, which older configs lack), checked before
+  any run (sim.presets.parse_cost_model)."""
+  text = r.text("cost_model", default=default, nonempty=True)
   try:
     parse_cost_model(text)
   except ValueError as e:

@@ -98,22 +98,27 @@ class MeasuredStepCost:
 
 
 STEP_COSTS = ("auto", "measured", "steps")
+# scheduler.cost_model where a config does not name one: the roofline pair configs/mixtral.py's
+# model stands for
+DEFAULT_COST_MODEL = "roofline:mixtral-8x7b@h100"
 
 
-def resolve(step_cost: str, platform: str) -> str:
+def resolve(step_cost: str, platform: str, cost_model: str = DEFAULT_COST_MODEL) -> str:
   """scheduler.step_cost -> 'measured' | 'steps' | 'roofline:MODEL@HARDWARE'. 'auto' decides on
-  measured seconds on TPU/GPU and on device-steps on emulated CPU devices: they share the host's
-  cores, so their step times say little about an accelerator's and vary with the machine's load
-  from run to run, which would make the releases (and the device-steps a benchmark reports)
-  differ between identical runs. A named roofline pair (the simulator's presets, resolved by the
-  runner) decides in that pair's seconds, the tiny model standing for the named one."""
+  measured seconds on TPU/GPU and, on emulated CPU devices, in the seconds of `cost_model`
+  (scheduler.cost_model: the roofline of the full-size model and hardware pair the run stands
+  for): emulated devices share the host's cores, so their step times say nothing about an
+  accelerator's and vary with the machine's load from run to run, and device-steps price a step
+  over more rows as free. A named roofline pair (the simulator's presets, resolved by the
+  runner) decides in that pair's seconds, the tiny model standing for the named one; 'steps'
+  keeps device-steps as the objective (a count, kept for comparison)."""
   if str(step_cost).startswith("roofline:"):
     return step_cost
   if step_cost not in STEP_COSTS:
     raise ValueError(f"must be one of {STEP_COSTS} or 'roofline:MODEL@HARDWARE', got "
                      f"{step_cost!r}")
   if step_cost == "auto":
-    return "steps" if platform == "cpu" else "measured"
+    return cost_model if platform == "cpu" else "measured"
   return step_cost
 
 

@@ -46,6 +46,10 @@ def main(argv):
       f"idle after finish {s['idle_after_finish_fraction']:.3f}, slot utilization "
       f"{s['slot_utilization']:.3f}, {s['throughput_tokens_per_s']:.1f} tokens/s; "
       f"{release_line(s)}; outputs in {st.rollout.output_dir}/")
+  sec = s["seconds"]
+  log(f"in {sec['cost_model']} seconds: makespan {sec['makespan_s']:.3f} s, "
+      f"{sec['occupied_device_seconds']:.3f} occupied device-seconds, "
+      f"{sec['tokens_per_occupied_device_second']:.0f} tokens per occupied device-second")
 
 
 def release_line(s: dict) -> str:

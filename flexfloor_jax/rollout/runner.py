@@ -51,7 +51,9 @@ from flexfloor_jax.rollout.inputs import (
 )
 from flexfloor_jax.rollout.outputs import OutputError, check_finite_logprobs, publish_outputs
 from flexfloor_jax.runtime import mesh as mesh_lib
-from flexfloor_jax.sim.costs import named_step_cost
+from flexfloor_jax.sim.costs import RooflineCost, named_step_cost
+from flexfloor_jax.sim.presets import parse_cost_model
+from flexfloor_jax.sim.replay import replay
 
 # ----------------------------------------------------------------------------- the rollout
 
@@ -198,7 +200,8 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   allowed = release_sizes(config.scheduler.release_sizes, n, floor)  # checked by settings
 
   chain = list(range(n))
-  step_cost = costs.resolve(config.scheduler.step_cost, devices[0].platform)
+  step_cost = costs.resolve(config.scheduler.step_cost, devices[0].platform,
+                            config.scheduler.cost_model)
   # a named pair: decide in its seconds
   cost = named_step_cost(step_cost, seqs) if step_cost.startswith("roofline:") else None
   queues, policy, pred_by_seq = plan.plan_rollout(
@@ -336,6 +339,34 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
   return record
 
 
+def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record) -> dict:
+  """This rollout in the seconds of a named roofline pair (the one it decided in, else
+  scheduler.cost_model): the same policy replayed on the lengths it produced (sim.replay),
+  releases and migrations charged. On emulated CPU devices the host's seconds say nothing about
+  an accelerator's; these do. `replay_matches_run`: the replay made the run's device-steps (not
+  when releases waited for background compiles, which the replay does not model)."""
+  r = config.rollout
+  decided = prep.step_cost.startswith("roofline:")
+  name = prep.step_cost if decided else config.scheduler.cost_model
+  model, hw = parse_cost_model(name)
+  lengths = {q: f.num_tokens for q, f in record.finishes.items()}
+  m, _ = replay(prep.seqs, lengths, prep.history, config.schedule, prep.num_workers, r.lanes,
+                prep.floor, cost=RooflineCost(model, hw), model=model,
+                steps_per_dispatch=prep.steps_per_dispatch,
+                placement=config.scheduler.placement, compaction=config.scheduler.compaction,
+                epoch=r.epoch, sizes=prep.allowed, makespan_slack=config.scheduler.makespan_slack,
+                step_cost=prep.step_cost,
+                policy_cost=named_step_cost(name, prep.seqs) if decided else None,
+                kv=kv_pool.pool_factory(r, prep.num_workers, prep.seq_len)
+                if prep.kv_pool is not None else None)
+  tokens = m["generated_tokens"]
+  return dict(cost_model=name, occupied_device_seconds=m["occupied_device_seconds"],
+              makespan_s=m["makespan_s"],
+              tokens_per_occupied_device_second=tokens / m["occupied_device_seconds"],
+              throughput_tokens_per_s=tokens / m["makespan_s"],
+              replay_matches_run=m["device_steps"] == record.metrics()["device_steps"])
+
+
 def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, record, *,
               setup_s: float, compiles: dict) -> RolloutResult:
   """summary.json's metrics and the responses; checks the log-probs are finite and adds this
@@ -372,6 +403,7 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            if cplan else None,
            **held_summary(policy))
   warn_held(m)
+  m["seconds"] = seconds_on_cost_model(config, prep, record)
   if prep.kv_pool is not None:
     prep.kv_pool.check()  # every page back in the pool
     m.update(kv_pool.summary(prep.kv_pool, sum(

@@ -195,6 +195,8 @@ BAD = [
     ("rollout", "mixtral", "scheduler.makespan_slack", 1.5),
     ("rollout", "mixtral", "scheduler.step_cost", "wall"),
     ("rollout", "mixtral", "scheduler.step_cost", "roofline:mixtral-8x7b@abacus"),
+    ("rollout", "mixtral", "scheduler.cost_model", "roofline:nope@h100"),
+    ("rollout", "mixtral", "scheduler.cost_model", "steps"),
     ("bench", "bench", "output_dir", ""),
     ("bench", "bench", "epochs", 0),
     ("bench", "bench", "repeats", 0),

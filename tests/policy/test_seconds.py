@@ -143,8 +143,9 @@ def test_step_cost_setting_picks_the_cost_model():
   _, measured, _ = plan.plan_rollout(s, h, "flexfloor", 2, 2, 1, step_cost="measured")
   _, steps, _ = plan.plan_rollout(s, h, "flexfloor", 2, 2, 1, step_cost="steps")
   assert isinstance(measured.cost, costs.MeasuredStepCost) and steps.cost is None
-  # emulated CPU devices share the host's cores: 'auto' keeps device-steps there
-  assert costs.resolve("auto", "cpu") == "steps"
+  # emulated CPU devices share the host's cores: 'auto' decides in the named pair's seconds there
+  assert costs.resolve("auto", "cpu", "roofline:qwen3-30b-a3b@h100") == \
+      "roofline:qwen3-30b-a3b@h100"
   assert costs.resolve("auto", "gpu") == costs.resolve("auto", "tpu") == "measured"
   assert costs.resolve("steps", "gpu") == "steps" and costs.resolve("measured", "cpu") == "measured"
   with pytest.raises(ValueError, match="step_cost|one of"):
