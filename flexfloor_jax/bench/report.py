@@ -230,10 +230,11 @@ def write_outputs(doc, timelines, records, out_dir: str) -> str:
   """bench.json (first: it survives a later failure), runs/ and bench.png, published as one set
   (io/output_dir.py); returns the set's directory. Raises output_dir.OutputWriteError naming the
   file."""
-  s = output_dir.OutputSet(out_dir, "output_dir", owns=BENCH_OUTPUTS)
-  s.write("bench.json", json.dumps(doc, indent=2))
-  for (name, k), rec in records.items():
-    s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))
-  with s.writing("bench.png") as path:
-    plot(doc, timelines, path)
-  return s.publish()
+  # a with block: an interrupted publish discards the half-written set
+  with output_dir.OutputSet(out_dir, "output_dir", owns=BENCH_OUTPUTS) as s:
+    s.write("bench.json", json.dumps(doc, indent=2))
+    for (name, k), rec in records.items():
+      s.write(os.path.join("runs", f"{name}_e{k}.json"), json.dumps(rec, indent=2))
+    with s.writing("bench.png") as path:
+      plot(doc, timelines, path)
+    return s.publish()

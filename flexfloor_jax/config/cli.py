@@ -1,19 +1,15 @@
 """Shared bits of the command-line entry points: one-line errors and the --config flag with "did
 you mean" help for misspelled fields (the config's fields are checked by settings.load)."""
 
-import os
 import re
-import signal
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import NoReturn
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from flexfloor_jax.io import output_dir
+from flexfloor_jax.runtime import interrupt
 
 
 def fail(msg: str) -> NoReturn:
@@ -79,50 +75,14 @@ def config_loaded(config) -> None:
     config_file_error(e)
 
 
-INTERRUPTED = 130  # the shell's exit status for a run ended by SIGINT
-# After Ctrl-C or SIGTERM, how long the run may take to unwind by itself before the watchdog ends
-# it: a main thread blocked in a device program (a collective waiting for a process that has
-# stopped) runs no Python code, so it never sees the signal.
-UNWIND_S = 5.0
-
-
-def _interrupted() -> NoReturn:
-  print("error: interrupted; the output directory keeps its last complete set of outputs",
-        file=sys.stderr)
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(INTERRUPTED)
-
-
-def _watchdog(wakeup: int) -> None:
-  """Ends the process UNWIND_S seconds after SIGINT or SIGTERM if the run has not ended by then,
-  releasing the locks it holds first (their flocks would go with the process, their lock files
-  would not)."""
-  while not set(os.read(wakeup, 64)) & {signal.SIGINT, signal.SIGTERM}:
-    pass
-  time.sleep(UNWIND_S)
-  output_dir.release_all()
-  _interrupted()
-
-
 def run(main: Callable[[list[str]], object]) -> NoReturn:
   """absl's app.run with this module's flag parser, for the entry points that take --config.
-  Ctrl-C or SIGTERM ends the run with one line instead of a traceback: the exception unwinds
-  first, so the output directory's lock is released and its staging removed, and outputs are
-  published all-or-nothing, so the directory keeps a complete set. The exit is immediate after
-  that: compiles still running in background threads would otherwise hold the process. A run
-  that cannot unwind (its main thread blocked in a device program) is ended by a watchdog."""
-  signal.signal(signal.SIGTERM, signal.default_int_handler)
-  wakeup, notify = os.pipe()
-  os.set_blocking(notify, False)
-  signal.set_wakeup_fd(notify)  # written at the C level, even while the main thread is blocked
-  threading.Thread(target=_watchdog, args=(wakeup,), daemon=True, name="interrupt").start()
-
-  def interruptible(argv):
-    try:
-      return main(argv)
-    except KeyboardInterrupt:
-      _interrupted()
-
-  app.run(interruptible, flags_parser=parse_flags)
+  Ctrl-C or SIGTERM ends the run with one line saying what was kept instead of a traceback
+  (runtime/interrupt.py): the run unwinds first, so the output directory's lock is released and a
+  half-written set discarded, and outputs are published all-or-nothing, so the directory keeps a
+  complete set. The exit is immediate after that: compiles still running in background threads
+  would otherwise hold the process. A run that cannot unwind (its main thread blocked in a device
+  program) is ended by a watchdog after the same cleanup."""
+  interrupt.install()
+  app.run(lambda argv: interrupt.run_main(lambda: main(argv)), flags_parser=parse_flags)
   raise AssertionError("app.run returned")  # it exits

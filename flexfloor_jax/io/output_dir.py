@@ -100,7 +100,30 @@ def check_dir(path: str, field: str = "output_dir", names: tuple[str, ...] = (),
         os.unlink(p)
   if names:
     check_owned(path, names, field, adopt)
+  _check_lock_file(os.path.join(path, LOCK_NAME), field)
   return path
+
+
+def _check_lock_file(lock_path: str, field: str) -> None:
+  """A file under the lock's name must be a lock this project made: locking truncates it, and
+  the release removes it."""
+  try:
+    fd = os.open(lock_path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+  except FileNotFoundError:
+    return
+  except OSError as e:  # a directory, a link, unreadable: not a lock of ours
+    raise _not_ours_lock(lock_path, field, os_error_text(e)) from None
+  try:
+    ours = _read_holder(fd)[2]
+  finally:
+    os.close(fd)
+  if not ours:
+    raise _not_ours_lock(lock_path, field, 'its content is not "<pid> <host>"')
+
+
+def _not_ours_lock(lock_path: str, field: str, why: str) -> OutputDirError:
+  return OutputDirError(f"{field}: {lock_path} is not a lock file this project made ({why}); "
+                        "move it away or choose another directory")
 
 
 _RUN_ID = re.compile(r"\d{8}-\d{6}-\d+-[0-9a-f]{6}$")  # new_run_id()
@@ -171,15 +194,26 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _read_holder(fd: int) -> tuple[int | None, str]:
+_HOLDER = re.compile(r"(\d+) (\S+)\n?")  # what lock_file writes: "<pid> <host>"
+
+
+def _read_holder(fd: int) -> tuple[int | None, str, bool]:
+  """(pid, host, ours) of a lock file: ours is False for content this project never writes (a
+  user's own file under the lock's name), which must not be truncated or removed. An empty file
+  is ours: a holder that died between creating and writing it."""
   try:
-    text = os.pread(fd, 256, 0).decode("utf-8", "replace").split()
-    return int(text[0]), (text[1] if len(text) > 1 else "")
-  except (OSError, ValueError, IndexError):
-    return None, ""
+    data = os.pread(fd, 257, 0)
+  except OSError:
+    return None, "", True
+  m = _HOLDER.fullmatch(data.decode("utf-8", "replace"))
+  if m is None:
+    return None, "", not data
+  return int(m.group(1)), m.group(2), True
 
 
 _HELD: set[DirLock] = set()  # the locks this process holds (release_all)
+# Output directories this process locked, and whether it publishes sets there (kept_notes).
+_LOCKED: dict[str, bool] = {}
 
 
 def release_all() -> None:
@@ -187,6 +221,21 @@ def release_all() -> None:
   while the main thread is blocked in a device program)."""
   for lock in list(_HELD):
     lock.release()
+
+
+def kept_notes() -> list[str]:
+  """What each output directory this process locked holds now, for the line that ends an
+  interrupted run: the set its fixed names show (or none yet), or for a directory without
+  published sets (a trainer's checkpoints), what was saved before."""
+  notes = []
+  for path, publishes in _LOCKED.items():
+    if not publishes:
+      notes.append(f"{path} keeps what was saved before the signal")
+      continue
+    t = _link_target(os.path.join(path, LATEST))
+    notes.append(f"{path} keeps its last complete set of outputs ({os.path.basename(t)})" if t
+                 else f"nothing was published in {path}")
+  return notes
 
 
 class DirLock:
@@ -201,10 +250,12 @@ class DirLock:
     _HELD.discard(self)
     if self._fd is None:
       return
-    with contextlib.suppress(OSError):  # removed while held: whoever opens it next retries
-      os.unlink(self.lock_path)
-    os.close(self._fd)  # drops the flock
-    self._fd = None
+    fd, self._fd = self._fd, None
+    try:
+      with contextlib.suppress(OSError):  # removed while held: whoever opens it next retries
+        os.unlink(self.lock_path)
+    finally:
+      os.close(fd)  # drops the flock, whatever interrupted the unlink
 
   @property
   def held(self) -> bool:
@@ -229,7 +280,9 @@ def acquire(path: str, field: str = "output_dir", names: tuple[str, ...] = (),
   def busy(pid, where):
     return (f"{field}: {path} is in use by another run (pid {pid}{where}; lock file "
             f"{lock_path}): wait for it to finish or choose another {field}")
-  return lock_file(path, lock_path, field, busy)
+  lock = lock_file(path, lock_path, field, busy)
+  _LOCKED[path] = bool(names)
+  return lock
 
 
 def lock_file(path: str, lock_path: str, field: str, busy_message, wait_s: float = 0.0) -> DirLock:
@@ -243,7 +296,8 @@ def lock_file(path: str, lock_path: str, field: str, busy_message, wait_s: float
   changes = 0
   while True:
     try:
-      fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+      # never through a link: locking truncates the file it reaches
+      fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as e:
       raise OutputDirError(
           f"{field}: cannot create the lock file {lock_path}: {os_error_text(e)}") from None
@@ -260,7 +314,9 @@ def lock_file(path: str, lock_path: str, field: str, busy_message, wait_s: float
           if changes > 100:
             raise OutputDirError(f"{field}: could not lock {path} ({lock_path} keeps changing)")
           continue
-      pid, pid_host = _read_holder(fd)
+      pid, pid_host, ours = _read_holder(fd)
+      if not ours:
+        raise _not_ours_lock(lock_path, field, 'its content is not "<pid> <host>"')
       # A filesystem without working flock: the pid decides (this host's processes only).
       if not busy and pid is not None and pid_host == host and pid != os.getpid():
         busy = _pid_alive(pid)
@@ -334,6 +390,33 @@ class OutputSet:
     self.written: list[str] = []
     with self.writing(None):
       os.makedirs(self.staging)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, kind, exc, tb):
+    """Leaving a `with` block on an exception other than OutputWriteError (Ctrl-C, a failed
+    check) discards the set; after a disk error the files written are kept, as that error
+    says."""
+    if kind is not None and not issubclass(kind, OutputWriteError):
+      self.discard()
+
+  def discard(self) -> None:
+    """Removes this set unless it is published: the staging directory, the set moved under
+    .published but not yet pointed to, and the fixed links made for it that show nothing. What
+    the fixed names show stays the previous set."""
+    out = self.out
+    if _link_target(os.path.join(out, LATEST)) == os.path.join(PUBLISHED, self.run_id):
+      return
+    for d in (self.staging, os.path.join(out, PUBLISHED, self.run_id)):
+      shutil.rmtree(d, ignore_errors=True)
+    with contextlib.suppress(OSError):
+      os.rmdir(os.path.join(out, STAGING))  # only when empty
+    with contextlib.suppress(OSError):
+      for entry in os.listdir(out):
+        p = os.path.join(out, entry)
+        if _link_target(p) == os.path.join(LATEST, entry) and not os.path.exists(p):
+          os.unlink(p)
 
   @contextlib.contextmanager
   def writing(self, name: str | None):

@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from flexfloor_jax.io.atomic import atomic_write
-from flexfloor_jax.io.output_dir import OutputDirError, lock_file
+from flexfloor_jax.io.output_dir import DirLock, OutputDirError, lock_file
 from flexfloor_jax.policy.controller import Seq
 
 HISTORY_FORMAT = 'flexfloor_jax.length_history'
@@ -22,6 +22,23 @@ log = logging.getLogger(__name__)
 
 class HistoryError(ValueError):
   """A history file or table that cannot be used; the message names the file and the prompt."""
+
+
+def lock_history(path: str) -> DirLock:
+  """The lock every writer of the history file `path` holds while it reads, merges and replaces
+  it: `<path>.lock` beside it (io/output_dir.lock_file, the output directories' lock), whichever
+  output directory the writer publishes to. Another writer holding it: wait up to LOCK_WAIT_S,
+  then HistoryError; a lock left by a killed writer is taken over with a warning."""
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as the save would
+  except OSError as e:
+    raise HistoryError(f'length history {path}: cannot create its directory: {e}') from None
+  try:
+    return lock_file(path, path + '.lock', 'length history', lambda pid, where: (
+        f'length history {path} is being saved by pid {pid}{where} for more than '
+        f'{LOCK_WAIT_S:.0f} s (lock file {path}.lock)'), wait_s=LOCK_WAIT_S)
+  except OutputDirError as e:
+    raise HistoryError(str(e)) from None
 
 
 class LengthHistory:
@@ -82,20 +99,14 @@ class LengthHistory:
     A file recorded for another model is replaced, with a warning. Atomic: a temp file in the
     same directory, fsync, os.replace; a crash leaves the old file.
     `current`: the file to merge with when `path` is a new copy of it (the rollout's history.json
-    staged beside its outputs, under the output directory's lock): no lock taken then. Raises
-    OSError, or HistoryError when the file cannot be locked or became unreadable.
+    staged beside its outputs): the caller holds lock_history(current) until the copy replaces
+    it. Raises OSError, or HistoryError when the file cannot be locked or became unreadable.
     `merge=False`: the file becomes exactly this history (a trainer resuming from a checkpoint
     drops the epochs the file recorded after it), still under the lock."""
     if current is not None:
       self._save_merged(path, current, merge)
       return
-    try:
-      lock = lock_file(path, path + '.lock', 'length history', lambda pid, where: (
-          f'length history {path} is being saved by pid {pid}{where} for more than '
-          f'{LOCK_WAIT_S:.0f} s (lock file {path}.lock)'), wait_s=LOCK_WAIT_S)
-    except OutputDirError as e:
-      raise HistoryError(str(e)) from None
-    with lock:
+    with lock_history(path):
       self._save_merged(path, path, merge)
 
   def _save_merged(self, path: str, current: str, merge: bool = True) -> None:

@@ -20,6 +20,7 @@ import optax
 
 from flexfloor_jax.config import cli, settings
 from flexfloor_jax.config.cli import fail
+from flexfloor_jax.io import output_dir
 from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.model import checkpoint as ckpt
 from flexfloor_jax.model import transformer as tfm
@@ -60,8 +61,19 @@ def sft(config, *, progress: bool = False, step_cache=None) -> dict:
   rollout's compiled steps (train.train takes one too: GRPO from this checkpoint in the same
   process reuses them)."""
   st = config if isinstance(config, settings.Settings) else settings.load(config, "sft")
+  assert st.sft is not None  # load(config, "sft") reads the sft section
+  # Locked like every output directory (io/output_dir.py): two runs would interleave the
+  # checkpoint's files, and a Ctrl-C's line names what it kept.
+  try:
+    lock = output_dir.acquire(st.sft.output_dir, "sft.output_dir")
+  except output_dir.OutputDirError as e:
+    raise SFTError(str(e)) from None
+  with lock:
+    return _sft(st, progress=progress, step_cache=step_cache)
+
+
+def _sft(st, *, progress: bool, step_cache) -> dict:
   s = st.sft
-  assert s is not None  # load(config, "sft") reads the sft section
   cfg = PRESETS[st.preset].replace(dtype=st.model.dtype)
   tok = ByteTokenizer()
   toks, mask = make_examples(st, tok)

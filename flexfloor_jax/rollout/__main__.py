@@ -4,16 +4,24 @@ On CPU the devices are emulated (`--cpu_devices`, default from the config's mesh
 field or 8), set before the first JAX operation; every input is checked before that.
 """
 
-from absl import flags
+from flexfloor_jax.runtime import interrupt
 
-from flexfloor_jax.config import cli
-from flexfloor_jax.config.cli import config_loaded, define_config, fail
-from flexfloor_jax.config.settings import ConfigError
-from flexfloor_jax.model.checkpoint import CheckpointError
-from flexfloor_jax.rollout import runner
-from flexfloor_jax.rollout.inputs import prepare_rollout
-from flexfloor_jax.runtime import distributed
-from flexfloor_jax.runtime.backend import emulate_cpu_devices, enable_compilation_cache, process_log
+interrupt.exit_at_once()  # before the imports below, which take seconds: see runtime/interrupt.py
+
+from absl import flags  # noqa: E402
+
+from flexfloor_jax.config import cli  # noqa: E402
+from flexfloor_jax.config.cli import config_loaded, define_config, fail  # noqa: E402
+from flexfloor_jax.config.settings import ConfigError  # noqa: E402
+from flexfloor_jax.model.checkpoint import CheckpointError  # noqa: E402
+from flexfloor_jax.rollout import runner  # noqa: E402
+from flexfloor_jax.rollout.inputs import prepare_rollout  # noqa: E402
+from flexfloor_jax.runtime import distributed  # noqa: E402
+from flexfloor_jax.runtime.backend import (  # noqa: E402
+  emulate_cpu_devices,
+  enable_compilation_cache,
+  process_log,
+)
 
 _CONFIG = define_config("configs/mixtral.py", "Rollout config file.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", None,

@@ -11,6 +11,7 @@ failed or killed run leaves the previous set, never a mix.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -54,6 +55,8 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 from flexfloor_jax.sim.costs import RooflineCost, named_step_cost
 from flexfloor_jax.sim.presets import parse_cost_model
 from flexfloor_jax.sim.replay import replay
+
+log = logging.getLogger(__name__)
 
 # ----------------------------------------------------------------------------- the rollout
 
@@ -131,10 +134,13 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   try:
     prep = prepare(config, devices=devices, model_cfg=model_cfg, tokenizer=tokenizer,
                    history=history, prompts=prompts)
+    # One line per stage: what a long wait is spent on, and where a Ctrl-C landed.
+    log.info("building the engine: weights and compiles")
     built = build_engine(config, prep, params=params, step_cache=step_cache)
     try:
       policy, waited, wait_s = wait_for_compiles(config, prep, built)
       setup_s = time.perf_counter() - t_setup
+      log.info("generating %d responses on %d workers", len(prep.seqs), prep.num_workers)
       record = execute(prep, built.engine, policy, progress=progress, on_release=on_release)
     finally:
       if built.close_steps:
@@ -142,6 +148,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
     compiles = dict(waited_for=waited, wait_s=wait_s, t_setup=t_setup)
     result = summarize(config, prep, built, policy, record, setup_s=setup_s, compiles=compiles)
     if write_outputs and jax.process_index() == 0:  # multi-process: process 0 writes outputs
+      log.info("publishing the outputs in %s", config.rollout.output_dir)
       try:
         publish_outputs(config.rollout.output_dir, result.responses, result.summary,
                         result.timeline, f"{config.schedule}: {prep.num_workers} workers, "

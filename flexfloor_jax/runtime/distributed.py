@@ -13,16 +13,19 @@ initialize. Single process (nothing configured): a no-op.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import io
 import os
 import signal
+import threading
 
 import jax
 import numpy as np
 from absl import flags
 from jax._src import distributed as jd
 
+from flexfloor_jax.runtime import interrupt
 from flexfloor_jax.runtime import mesh as mesh_lib
 
 ENV_COORD = "FLEXFLOOR_COORDINATOR"
@@ -66,7 +69,34 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   if callable(on_term):
     signal.signal(signal.SIGTERM, on_term)
   _initialized = True
+  interrupt.at_exit(_leave)
+  interrupt.note(_writes_nothing)
   return True
+
+
+# An interrupted process leaves the job in step with the others. A process that just exits makes
+# the others' coordination clients see their service, or a peer, vanish: they abort with a C++
+# stack dump ("Fatal Python error: Aborted"), and a peer's collective fails with a traceback.
+# jax.distributed.shutdown is a barrier of every process before each disconnects, so the
+# processes a launcher stopped together leave together. It waits at most LEAVE_S: the longest a
+# stopped peer takes to get there (its watchdog, interrupt.UNWIND_S after the signal), plus
+# margin. A process whose peers were not told to stop leaves alone after that.
+LEAVE_S = interrupt.UNWIND_S + 3.0
+
+
+def _leave() -> None:
+  def shutdown():
+    with contextlib.suppress(Exception):
+      jax.distributed.shutdown()
+  t = threading.Thread(target=shutdown, daemon=True, name="leave")
+  t.start()
+  t.join(LEAVE_S)
+
+
+def _writes_nothing() -> str | None:
+  # the coordination service's ids: asking jax.process_index() could start the backend here
+  k, n = jd.global_state.process_id, jd.global_state.num_processes
+  return f"process {k} of {n} writes no outputs" if k else None
 
 
 def _on_cpu() -> bool:

@@ -9,11 +9,12 @@ flexfloor_jax.runtime.distributed reads. Output lines are prefixed with `[pK]` a
 any child fails (or the timeout passes) the others are killed and the launcher exits non-zero.
 
 Children never outlive the launcher: each runs in its own process group (so a terminal's Ctrl-C
-reaches only the launcher, which then stops them in order), SIGTERM / SIGHUP / SIGINT to the
-launcher stop every child's whole group, and on Linux each child also gets SIGKILL from the kernel
-when the launcher dies in a way it cannot handle (kill -9, a crash): prctl(PR_SET_PDEATHSIG).
-The latter reaches the command itself, not processes it forks; run the program directly rather
-than through a shell wrapper.
+reaches only the launcher), SIGINT / SIGTERM / SIGHUP to the launcher are forwarded to every
+child's whole group (SIGHUP as SIGTERM) and the launcher waits for them all, exiting 128 + the
+signal's number; a child still running STOP_S seconds later is killed. On Linux each child also
+gets SIGKILL from the kernel when the launcher dies in a way it cannot handle (kill -9, a crash):
+prctl(PR_SET_PDEATHSIG). The latter reaches the command itself, not processes it forks; run the
+program directly rather than through a shell wrapper.
 """
 
 from __future__ import annotations
@@ -45,33 +46,41 @@ def free_port() -> int:
 
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # forwarded to the children
+STOP_S = 10.0  # after forwarding a signal, how long the children get before SIGKILL
 
 
-def _die_with_parent():
-  """A preexec_fn (Linux): the kernel sends the child SIGKILL when the launcher dies. None where
-  prctl is unavailable (the signal handlers below still cover a launcher that is told to stop).
-  Resolved here, in the parent: the child runs it between fork and exec, where little is safe."""
-  if not sys.platform.startswith("linux"):
-    return None
-  try:
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
-  except (OSError, AttributeError):
-    return None
+def _child_setup():
+  """The children's preexec_fn: the signals the launcher blocks while it starts them unblocked,
+  and (Linux) SIGKILL from the kernel when the launcher dies. Resolved here, in the parent: the
+  child runs it between fork and exec, where little is safe."""
+  prctl = None
+  if sys.platform.startswith("linux"):
+    try:
+      prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+      prctl = None  # the signal forwarding below still covers a launcher that is told to stop
   parent = os.getpid()
 
   def preexec():
-    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-      os.kill(os.getpid(), signal.SIGKILL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)
+    if prctl is not None:
+      prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+      if os.getppid() != parent:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
   return preexec
 
 
 class _Stop(Exception):
-  """The launcher was told to stop (SIGTERM, SIGHUP): unwind into the cleanup."""
+  """The launcher got one of STOPPING: unwind into the cleanup, which forwards it."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
 
 
 def _raise_stop(signum, frame):
-  raise _Stop(signal.Signals(signum).name)
+  raise _Stop(signum)
 
 
 def _pump(stream, prefix: str, out):
@@ -96,11 +105,10 @@ def launch(command: list[str], num_processes: int, devices_per_process: int = 4,
     return 2
   port = port or free_port()
   procs, pumps = [], []
-  preexec = _die_with_parent()
-  handled = (signal.SIGTERM, signal.SIGHUP)
+  preexec = _child_setup()
   old_handlers = {}
   if threading.current_thread() is threading.main_thread():
-    old_handlers = {s: signal.signal(s, _raise_stop) for s in handled}
+    old_handlers = {s: signal.signal(s, _raise_stop) for s in STOPPING}
   try:
     return _run(command, num_processes, devices_per_process, timeout, port, procs, pumps,
                 preexec)
@@ -111,9 +119,15 @@ def launch(command: list[str], num_processes: int, devices_per_process: int = 4,
 
 def _run(command, num_processes, devices_per_process, timeout, port, procs, pumps,
          preexec) -> int:
-  rc = 0
+  rc, forward = 0, signal.SIGTERM
   try:
-    _start(command, num_processes, devices_per_process, port, procs, preexec)
+    # A signal while a child is half-started would leave it unstopped: held until all have
+    # started (the children unblock them before exec).
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPPING)
+    try:
+      _start(command, num_processes, devices_per_process, port, procs, preexec)
+    finally:
+      signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPPING)
     # Output pumps start after the last fork: no thread runs while a child is between fork and
     # exec (the preexec_fn).
     for i, p in enumerate(procs):
@@ -121,13 +135,12 @@ def _run(command, num_processes, devices_per_process, timeout, port, procs, pump
       t.start()
       pumps.append(t)
     rc = _wait(procs, timeout)
-  except KeyboardInterrupt:
-    rc = 130
   except _Stop as e:
-    print(f"launch: {e}; stopping all processes", file=sys.stderr)
-    rc = 143
+    print(f"launch: {e}; stopping all processes", file=sys.stderr, flush=True)
+    rc = 128 + e.signum
+    forward = signal.SIGTERM if e.signum == signal.SIGHUP else e.signum
   finally:
-    _stop_all(procs, pumps)
+    _stop_all(procs, pumps, forward)
   return rc
 
 
@@ -165,23 +178,27 @@ def _wait(procs, timeout: float) -> int:
     time.sleep(0.1)
 
 
-def _stop_all(procs, pumps) -> None:
-  """SIGTERM to every child's process group, SIGKILL to those still there after 10 s. A second
-  SIGTERM to the launcher meanwhile must not cut this short: ignored until done."""
+def _stop_all(procs, pumps, sig: int = signal.SIGTERM) -> None:
+  """`sig` to every running child's process group, then wait for all of them (reaped), SIGKILL to
+  those still there STOP_S seconds later. Another signal to the launcher meanwhile must not cut
+  this short: ignored until done."""
   restore = {}
   if threading.current_thread() is threading.main_thread():
-    restore = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGHUP)}
+    restore = {s: signal.signal(s, signal.SIG_IGN) for s in STOPPING}
   try:
     for p in procs:
       if p.poll() is None:
         try:
-          os.killpg(p.pid, signal.SIGTERM)
+          os.killpg(p.pid, sig)
         except ProcessLookupError:
           pass
+    deadline = time.monotonic() + STOP_S
     for p in procs:
       try:
-        p.wait(timeout=10)
+        p.wait(timeout=max(0.0, deadline - time.monotonic()))
       except subprocess.TimeoutExpired:
+        print(f"launch: process {procs.index(p)} still running {STOP_S:.0f} s after "
+              f"{signal.Signals(sig).name}; killing it", file=sys.stderr, flush=True)
         try:
           os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
