@@ -192,6 +192,9 @@ def rollout_config():
   c.rollout.steps_per_dispatch = 4
   c.rollout.wait_compiles = True
   c.scheduler.release_sizes = ""  # every size: the release order is what the elastic tests check
+  # The release mechanism under test (moves, migrations, compiles, identical responses): in
+  # device-steps every free worker is released. Deciding in seconds is tests/policy's.
+  c.scheduler.step_cost = "steps"
   c.model.max_seq_len = 96
   c.sampling.temperature = 1.0
   c.sampling.top_p = 0.9

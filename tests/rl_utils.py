@@ -6,6 +6,9 @@ from flexfloor_jax.config.files import load_config
 # trainer child gets the same values as flags (config_flags), so both run the same programs.
 SIZES = {
     "scheduler.release_sizes": "2",  # 8 -> 2 -> 1: 3 compiled meshes instead of 8: test time
+    # releases whenever a worker is free (device-steps): the mechanism under test (released
+    # workers' log-probs, static == flexfloor), not the seconds-priced decision
+    "scheduler.step_cost": "steps",
     "model.checkpoint": "",
     "model.max_seq_len": 40,
     "rollout.max_prompt_len": 24,

@@ -21,6 +21,7 @@ the bytes that `jax.live_arrays()` shows on each device at every mesh size of th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -53,6 +54,7 @@ def _nbytes(tree) -> int:
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+@functools.lru_cache(maxsize=64)  # eval_shape traces: a rollout asks for the same config again
 def kv_bytes(model_cfg, max_seq_len: int) -> tuple[int, int]:
   """(bytes per token of the layers that keep every position, bytes of one sequence row's rings:
   the sliding layers' windows) of a cache of max_seq_len positions, from the shapes of one row of

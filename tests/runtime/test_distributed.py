@@ -18,7 +18,8 @@ from checkout import ROOT
 
 SMALL = ["--config.rollout.num_prompts=2", "--config.rollout.samples_per_prompt=8",
          "--config.rollout.max_new_tokens=24", "--config.rollout.wait_compiles=True",
-         "--config.scheduler.release_sizes=2"]  # 8 -> 2 -> 1: compiles only the meshes it uses
+         "--config.scheduler.release_sizes=2",  # 8 -> 2 -> 1: compiles only the meshes it uses
+         "--config.scheduler.step_cost=steps"]  # release whenever free: the mechanism under test
 
 
 def _env() -> dict:
@@ -108,7 +109,8 @@ def test_two_processes_match_one_paged(tmp_path):
 # responses: the same releases, in about half the decode steps): the preset's default release
 # sizes (8 -> 6 -> 4 -> 2 -> 1), so the mesh of 6 is split unevenly over the processes (2 + 4
 # devices) and migrations and expert moves cross the process boundary on it.
-DEFAULT_SIZES = ["--config.rollout.lengths=workload", "--config.sampling.temperature=1.0",
+DEFAULT_SIZES = ["--config.scheduler.step_cost=steps",
+                 "--config.rollout.lengths=workload", "--config.sampling.temperature=1.0",
                  "--config.sampling.seed=5", "--config.rollout.num_prompts=4"]
 _BURN = "while True: pass"
 
