@@ -1,9 +1,18 @@
-"""Reading JSONL inputs with errors that name the file and line."""
+"""Reading JSON and JSONL inputs with errors that name the file (and line)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+
+
+def read_json(path: str, what: str):
+  """The JSON document in `path`; ValueError '<path>: cannot read <what>: ...' otherwise."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f'{path}: cannot read {what}: {e}') from None
 
 
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:

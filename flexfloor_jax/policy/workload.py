@@ -16,7 +16,7 @@ from statistics import NormalDist
 import numpy as np
 
 from flexfloor_jax.io.atomic import atomic_open
-from flexfloor_jax.io.jsonl import iter_jsonl
+from flexfloor_jax.io.jsonl import iter_jsonl, read_json
 from flexfloor_jax.policy.controller import Seq
 
 # Defaults: the rollout shape of configs/mixtral.py tiny (8 workers x 4 slots, 8 prompts x 8
@@ -207,11 +207,7 @@ class Trace:
 
 def load_trace(path: str) -> Trace:
   """A trace file (the format above); ValueError names the file and the bad entry."""
-  try:
-    with open(path) as f:
-      doc = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f'{path}: cannot read a trace: {e}') from None
+  doc = read_json(path, 'a trace')
   cap = doc.get('max_new_tokens') if isinstance(doc, dict) else None
   prompts = doc.get('prompts') if isinstance(doc, dict) else None
   if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1 or not isinstance(prompts, dict) \

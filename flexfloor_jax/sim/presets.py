@@ -155,25 +155,19 @@ class Model:
     return self.nonexpert_params + self.experts * self.expert_params
 
 
-MODELS = {
-    "mixtral-8x7b": Model.from_config(
-        "mixtral-8x7b", PRESETS["8x7b"],
-        source="huggingface.co/mistralai/Mixtral-8x7B-v0.1/config.json"),
-    "mixtral-8x22b": Model.from_config(
-        "mixtral-8x22b", PRESETS["8x22b"],
-        source="huggingface.co/mistralai/Mixtral-8x22B-v0.1/config.json"),
-    "qwen3-30b-a3b": Model.from_config(
-        "qwen3-30b-a3b", PRESETS["qwen3-30b-a3b"],
-        source="huggingface.co/Qwen/Qwen3-30B-A3B/config.json"),
-    "gpt-oss-20b": Model.from_config(
-        "gpt-oss-20b", PRESETS["gpt-oss-20b"],
-        source="huggingface.co/openai/gpt-oss-20b/config.json"),
-    "gpt-oss-120b": Model.from_config(
-        "gpt-oss-120b", PRESETS["gpt-oss-120b"],
-        source="huggingface.co/openai/gpt-oss-120b/config.json"),
-    "tiny": Model.from_config("tiny", PRESETS["tiny"],
-                              source="flexfloor_jax/model/config.py PRESETS['tiny']"),
+# model preset name -> (its dimensions in model.config.PRESETS, the published config.json's repo)
+_PUBLISHED = {
+    "mixtral-8x7b": ("8x7b", "mistralai/Mixtral-8x7B-v0.1"),
+    "mixtral-8x22b": ("8x22b", "mistralai/Mixtral-8x22B-v0.1"),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"),
+    "gpt-oss-20b": ("gpt-oss-20b", "openai/gpt-oss-20b"),
+    "gpt-oss-120b": ("gpt-oss-120b", "openai/gpt-oss-120b"),
 }
+MODELS = {name: Model.from_config(name, PRESETS[preset],
+                                  source=f"huggingface.co/{repo}/config.json")
+          for name, (preset, repo) in _PUBLISHED.items()}
+MODELS["tiny"] = Model.from_config("tiny", PRESETS["tiny"],
+                                   source="flexfloor_jax/model/config.py PRESETS['tiny']")
 
 
 def parse_cost_model(text: str) -> tuple[Model, Hardware]:

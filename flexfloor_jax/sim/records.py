@@ -10,10 +10,10 @@ with, the policy fields, and the measured timeline. `calibrate_and_predict` fits
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from types import SimpleNamespace
 
+from flexfloor_jax.io.jsonl import read_json
 from flexfloor_jax.policy import accounting
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import preallocated_slots
@@ -51,11 +51,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
 
 
 def load_run_record(path: str) -> dict:
-  try:
-    with open(path) as f:
-      rec = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path}: cannot read run record ({e})") from None
+  rec = read_json(path, "a run record")
   need = {"seqs", "lengths", "history", "schedule", "timeline", "num_workers"}
   if not isinstance(rec, dict) or not need <= set(rec):
     raise ValueError(f"{path} is not a run record (written by flexfloor_jax.bench into "
