@@ -3,16 +3,20 @@ r"""CPU benchmark: XLA grouped_matmul vs ONE dense matmul over the same rows, th
   python -m flexfloor_jax.kernels.bench [--tile_m 128 256] [--runs 30]
   python -m flexfloor_jax.kernels.bench --dtype bfloat16 --impl pallas --k 4096 --n 14336 \
       --tile_m 128   # GPU
+  python -m flexfloor_jax.kernels.bench --k 2048 --n 768 --decode_groups 16 \
+      --decode_rows 1 2 4 --no_dense   # Qwen3-30B-A3B decode: 16 expert slots per worker
 
 The grouped matmul does the same flops as the dense matmul plus its tile padding, so the ratio shows
 the cost of fixed-shape tiles and the per-tile loop. Dense and grouped calls are timed interleaved
 (pairs), so drift on a shared machine affects both alike: times are medians after warm-up, the ratio
 is the median of the per-pair ratios.
 
-The decode table (8 experts, 8-64 rows each, the engine's decode tile) compares against a per-expert
-einsum over exactly those rows ('gck,gkn->gcn', what a capacity layout without tiles would run) and
-shows, beside the grouped matmul (which picks group-batched rounds at these shapes), its run loop
-(one weight slice per expert) and a per-tile loop (one weight slice per tile), all timed
+The decode table (8 experts, 8-64 rows each, the engine's decode tile; `--decode_groups`,
+`--decode_rows` for others) compares against a per-expert einsum over exactly those rows
+('gck,gkn->gcn', what a capacity layout without tiles would run) and
+shows, beside the grouped matmul (which picks one group-batched round where every group has at
+most one tile, else the run loop), its run loop (one weight slice per expert), the group-batched
+rounds whatever the tile counts and a per-tile loop (one weight slice per tile), all timed
 interleaved; its ratios are those of the fastest runs (at sub-millisecond calls a loaded machine's
 scheduling noise swamps a median).
 """
@@ -27,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
-from flexfloor_jax.kernels.gmm_xla import gmm_run_loop
+from flexfloor_jax.kernels.gmm_xla import gmm_rounds, gmm_run_loop
 from flexfloor_jax.kernels.grouped_matmul import DEFAULT_TILE_M, grouped_matmul
 
 NUM_ROWS, K_DIM, N_DIM, NUM_GROUPS = 4096, 256, 512, 8
@@ -81,32 +85,38 @@ def _per_tile_gmm(lhs, rhs, tile_group, used, tile_m):
 
 
 def run_decode(runs: int = 30, dtype=jnp.float32, impl: str = "xla", k_dim: int = K_DIM,
-               n_dim: int = N_DIM, tile_m: int = DECODE_TILE_M) -> list[dict]:
+               n_dim: int = N_DIM, tile_m: int = DECODE_TILE_M, groups: int = NUM_GROUPS,
+               rows_per_expert=DECODE_ROWS_PER_EXPERT) -> list[dict]:
   key_x, key_w = jax.random.split(jax.random.key(1))
-  rhs_GKN = jax.random.normal(key_w, (NUM_GROUPS, k_dim, n_dim), dtype)
+  rhs_GKN = jax.random.normal(key_w, (groups, k_dim, n_dim), dtype)
   einsum = jax.jit(lambda x, w: jnp.einsum("gck,gkn->gcn", x, w,
                                            preferred_element_type=jnp.float32).astype(x.dtype))
   gmm = jax.jit(lambda x, r, tg, u: grouped_matmul(x, r, tg, u, tile_m=tile_m, impl=impl))
   per_tile = jax.jit(lambda x, r, tg, u: _per_tile_gmm(x, r, tg, u, tile_m))
   run_loop = jax.jit(lambda x, r, tg, u: gmm_run_loop(x, r, tg, u, tile_m, x.dtype, False))
+  rounds = jax.jit(lambda x, r, tg, u: gmm_rounds(x, r, tg, u, tile_m, x.dtype, False))
   results = []
-  for per_expert in DECODE_ROWS_PER_EXPERT:
-    rows = per_expert * NUM_GROUPS
-    x_GCK = jax.random.normal(key_x, (NUM_GROUPS, per_expert, k_dim), dtype)
-    group_ids = jnp.repeat(jnp.arange(NUM_GROUPS, dtype=jnp.int32), per_expert)
-    plan = make_plan(group_ids, NUM_GROUPS, tile_m, padded_rows(rows, NUM_GROUPS, tile_m))
+  for per_expert in rows_per_expert:
+    rows = per_expert * groups
+    x_GCK = jax.random.normal(key_x, (groups, per_expert, k_dim), dtype)
+    group_ids = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), per_expert)
+    plan = make_plan(group_ids, groups, tile_m, padded_rows(rows, groups, tile_m))
     lhs = jnp.zeros((plan.row_src.shape[0], k_dim), dtype).at[plan.row_dst].set(
         x_GCK.reshape(rows, k_dim))
     args = (lhs, rhs_GKN, plan.tile_group, plan.num_tiles_used)
     _, ratio, t_min = _time_interleaved(
-        [(einsum, (x_GCK, rhs_GKN)), (gmm, args), (run_loop, args), (per_tile, args)], runs)
+        [(einsum, (x_GCK, rhs_GKN)), (gmm, args), (run_loop, args), (rounds, args),
+         (per_tile, args)], runs)
     results.append(dict(rows_per_expert=per_expert, tile_m=tile_m, einsum_ms=1e3 * t_min[0],
                         gmm_ms=1e3 * t_min[1], run_loop_ms=1e3 * t_min[2],
-                        per_tile_ms=1e3 * t_min[3], gmm_ratio=float(t_min[1] / t_min[0]),
+                        rounds_ms=1e3 * t_min[3], per_tile_ms=1e3 * t_min[4],
+                        gmm_ratio=float(t_min[1] / t_min[0]),
                         run_loop_ratio=float(t_min[2] / t_min[0]),
-                        per_tile_ratio=float(t_min[3] / t_min[0]),
+                        rounds_ratio=float(t_min[3] / t_min[0]),
+                        per_tile_ratio=float(t_min[4] / t_min[0]),
                         gmm_median_ratio=float(ratio[1]), run_loop_median_ratio=float(ratio[2]),
-                        per_tile_median_ratio=float(ratio[3])))
+                        rounds_median_ratio=float(ratio[3]),
+                        per_tile_median_ratio=float(ratio[4])))
   return results
 
 
@@ -146,27 +156,35 @@ def main(argv=None):
   p.add_argument("--k", type=int, default=K_DIM)
   p.add_argument("--n", type=int, default=N_DIM)
   p.add_argument("--decode_tile_m", type=int, default=DECODE_TILE_M)
+  p.add_argument("--decode_groups", type=int, default=NUM_GROUPS,
+                 help="experts of the decode table (one worker's expert slots)")
+  p.add_argument("--decode_rows", type=int, nargs="+", default=list(DECODE_ROWS_PER_EXPERT),
+                 help="rows per expert of the decode table")
+  p.add_argument("--no_dense", action="store_true", help="skip the dense-comparison table")
   p.add_argument("--no_decode", action="store_true", help="skip the decode-shape table")
   args = p.parse_args(argv)
   print(f"{jax.devices()[0].platform}: {NUM_ROWS} rows x [{args.k}x{args.n}] {args.dtype}, "
         f"{NUM_GROUPS} groups, impl={args.impl}, median of {args.runs} interleaved runs")
-  print(f"{'case':<16}{'tile_m':>7}{'tiles':>7}{'dense ms':>10}{'gmm ms':>9}{'ratio':>7}")
-  for r in run(tuple(args.tile_m), args.runs, jnp.dtype(args.dtype), args.impl, args.k, args.n):
-    print(f"{r['case']:<16}{r['tile_m']:>7}{r['tiles_used']:>7}{r['dense_ms']:>10.2f}"
-          f"{r['gmm_ms']:>9.2f}{r['ratio']:>7.2f}")
+  if not args.no_dense:
+    print(f"{'case':<16}{'tile_m':>7}{'tiles':>7}{'dense ms':>10}{'gmm ms':>9}{'ratio':>7}")
+    for r in run(tuple(args.tile_m), args.runs, jnp.dtype(args.dtype), args.impl, args.k,
+                 args.n):
+      print(f"{r['case']:<16}{r['tile_m']:>7}{r['tiles_used']:>7}{r['dense_ms']:>10.2f}"
+            f"{r['gmm_ms']:>9.2f}{r['ratio']:>7.2f}")
   if args.no_decode:
     return
-  print(f"\ndecode: {NUM_GROUPS} experts x [{args.k}x{args.n}], tile_m={args.decode_tile_m}; "
-        "ratios to a per-expert einsum over the same rows")
+  print(f"\ndecode: {args.decode_groups} experts x [{args.k}x{args.n}], "
+        f"tile_m={args.decode_tile_m}; ratios to a per-expert einsum over the same rows")
   print("(ms and ratios of the fastest run, which other load on a shared machine inflates least; "
         "median of the per-run ratios in brackets)")
   print(f"{'rows/expert':>12}{'einsum ms':>10}{'gmm ms':>9}{'gmm':>14}{'run loop':>14}"
-        f"{'per-tile':>14}")
+        f"{'rounds':>14}{'per-tile':>14}")
   for r in run_decode(args.runs, jnp.dtype(args.dtype), args.impl, args.k, args.n,
-                      args.decode_tile_m):
+                      args.decode_tile_m, args.decode_groups, tuple(args.decode_rows)):
     print(f"{r['rows_per_expert']:>12}{r['einsum_ms']:>10.3f}{r['gmm_ms']:>9.3f}"
           f"{r['gmm_ratio']:>7.2f} [{r['gmm_median_ratio']:4.2f}]"
           f"{r['run_loop_ratio']:>7.2f} [{r['run_loop_median_ratio']:4.2f}]"
+          f"{r['rounds_ratio']:>7.2f} [{r['rounds_median_ratio']:4.2f}]"
           f"{r['per_tile_ratio']:>7.2f} [{r['per_tile_median_ratio']:4.2f}]")
 
 

@@ -8,12 +8,12 @@ group sizes (batch invariance).
 
 Decode shapes (8-row tiles, a few tiles per expert) are weight-bound: each expert's weights are read
 once per call where the backend allows, not once per tile. impl='xla' (`gmm_xla`: the CPU default
-and the training path) runs group-batched rounds when the tiles are spread over the groups (the
-r-th tile of every group in one batched dot that reads the weights in place), else a loop over runs
-of same-group tiles with one weight slice per run. impl='pallas' picks, at lowering time, the
-Mosaic TPU kernel (`gmm_tpu`), the Mosaic GPU kernel (`gmm_mgpu`; `mgpu_supported` says which
-shapes and dtypes, the others take the XLA loop on GPU), the XLA loop on ROCm, or on any other
-platform the TPU kernel in interpret mode (`interpret=True` forces that everywhere). The Pallas
+and the training path) runs one group-batched round when every group has at most one tile (one
+batched dot that reads the weights in place), else a loop over runs of same-group tiles with one
+weight slice per run. impl='pallas' picks, at lowering time, the Mosaic TPU kernel (`gmm_tpu`),
+the Mosaic GPU kernel (`gmm_mgpu`; `mgpu_supported` says which shapes and dtypes, the others take
+the XLA loop on GPU), the XLA loop on ROCm, or on any other platform the TPU kernel in interpret
+mode (`interpret=True` forces that everywhere). The Pallas
 forward shares the custom_vjp: d_lhs runs the same kernel on transposed weights, d_rhs the XLA
 "tgmm" loop.
 """

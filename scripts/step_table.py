@@ -2,17 +2,20 @@
 (`--hardware=measured:FILE`).
 
   python scripts/step_table.py --out=h200_step_table.json            # Mixtral-8x7B layers, GPU/TPU
+  python scripts/step_table.py --model=qwen3-30b-a3b --out=q.json    # Qwen3-30B-A3B layers
   python scripts/step_table.py --dry_run --out=/tmp/t.json           # tiny shapes, CPU, seconds
 
 Times this project's real decode step (transformer.decode with the expert-parallel MoE layer
 `ep_moe`, run inside shard_map as the engine runs it, `steps` decode steps per dispatch in one
-fori_loop, sampled token fed back) for a stack of `--layers` Mixtral-8x7B-shaped layers (hidden
-4096, ffn 14336, 32 q / 8 kv heads of 128, E=8 top-2, bf16) on ONE device, as a function of
-  - experts held by the device (1, 2, 4, 8): emulates one worker of an n = E/e way EP group. The
-    router still picks top-2 of all E experts; expert j is served by local slot j mod e, so the
-    device reads e experts' weights and its grouped matmuls get the ~B*k token copies an EP worker
-    gets on average (its own batch's worth). The all_to_all is not timed (one device): the
-    simulator adds it from its interconnect model;
+fori_loop, sampled token fed back) for a stack of `--layers` layers of `--model` on ONE device
+(mixtral-8x7b: hidden 4096, ffn 14336, 32 q / 8 kv heads of 128, E=8 top-2; qwen3-30b-a3b: hidden
+2048, expert ffn 768, 32 q / 4 kv heads of 128 with q/k norms, E=128 top-8; bf16; the dry run
+takes the family's tiny preset), as a function of
+  - experts held by the device (Mixtral 1, 2, 4, 8; Qwen3 16, 32, 64, 128): emulates one worker
+    of an n = E/e way EP group. The router still picks top-k of all E experts; expert j is served
+    by local slot j mod e, so the device reads e experts' weights and its grouped matmuls get the
+    ~B*k token copies an EP worker gets on average (its own batch's worth). The all_to_all is not
+    timed (one device): the simulator adds it from its interconnect model;
   - decode batch B on the device (its sequences: DP attention) and KV cache length (the step
     attends over the whole cache, as the engine's fixed-shape decode does).
 Per-layer seconds = (step - fixed) / layers, where `fixed` (embedding, final norm, lm_head, argmax)
@@ -31,6 +34,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,12 +43,21 @@ def _ints(s):
   return [int(x) for x in s.split(",") if x.strip()]
 
 
+# --model -> (model.config preset, its tiny preset for --dry_run, default experts per device,
+# dry-run experts per device)
+MODELS = {"mixtral-8x7b": ("8x7b", "tiny", [1, 2, 4, 8], [1, 2, 8]),
+          "qwen3-30b-a3b": ("qwen3-30b-a3b", "qwen3-tiny", [16, 32, 64, 128], [2, 4, 16])}
+
+
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   p.add_argument("--out", required=True)
   p.add_argument("--dry_run", action="store_true", help="tiny shapes on CPU (checks every step)")
+  p.add_argument("--model", default="mixtral-8x7b", choices=sorted(MODELS),
+                 help="the layer shape timed (the simulator model the table serves)")
   p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--experts", type=_ints, default=None, help="experts per device (1,2,4,8)")
+  p.add_argument("--experts", type=_ints, default=None,
+                 help="experts per device (Mixtral 1,2,4,8; Qwen3 16,32,64,128)")
   p.add_argument("--batches", type=_ints, default=None, help="decode batches (32,8,128,256)")
   p.add_argument("--kv", type=_ints, default=None, help="KV cache lengths (1024,4096)")
   p.add_argument("--steps", type=int, default=8, help="decode steps per dispatch (fori_loop)")
@@ -84,21 +97,22 @@ def main(argv=None):
   from flexfloor_jax.runtime import mesh as mesh_lib
 
   t_start = time.perf_counter()
+  full, tiny, full_experts, tiny_experts = MODELS[args.model]
   if args.dry_run:
-    cfg = PRESETS["tiny"].replace(num_layers=2, dtype="bfloat16")
-    experts = args.experts or [1, 2, 8]
+    cfg = PRESETS[tiny].replace(num_layers=2, dtype="bfloat16")
+    experts = args.experts or tiny_experts
     batches = args.batches or [8, 16]
     kvs = args.kv or [32, 64]
     args.repeats, args.min_run_s = min(args.repeats, 2), min(args.min_run_s, 0.005)
   else:
-    cfg = PRESETS["8x7b"].replace(num_layers=args.layers)
-    experts = args.experts or [1, 2, 4, 8]
+    cfg = PRESETS[full].replace(num_layers=args.layers)
+    experts = args.experts or full_experts
     batches = args.batches or [32, 8, 128, 256]
     kvs = args.kv or [1024, 4096]
   L, E = cfg.num_layers, cfg.num_experts
   dev = jax.devices()[0]
   if dev.platform == "cpu" and not args.dry_run:
-    print("error: no accelerator (jax.devices() is CPU): Mixtral-sized layers would take hours "
+    print(f"error: no accelerator (jax.devices() is CPU): {args.model} layers would take hours "
           "here; use --dry_run for the tiny CPU check", file=sys.stderr)
     return 2
   mesh = mesh_lib.make_ep_mesh([dev])
@@ -228,7 +242,7 @@ def main(argv=None):
     med, reps, first, state = timed(call, state)
     return med, reps, state
 
-  meta = dict(format="flexfloor_jax.step_table", version=1, device=dev.device_kind,
+  meta: dict[str, Any] = dict(format="flexfloor_jax.step_table", version=1, device=dev.device_kind,
               platform=dev.platform, jax_version=jax.__version__,
               created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               dtype=cfg.dtype, dry_run=bool(args.dry_run),
@@ -239,7 +253,8 @@ def main(argv=None):
               engine=dict(moe_backend=args.backend, decode_tile_m=args.tile_m,
                           chunk_tokens=args.chunk_tokens, steps_per_dispatch=args.steps,
                           attention="dense over the whole KV cache (engine's fixed shapes)",
-                          expert_emulation="top-2 of E=8, expert j served by slot j mod e"),
+                          expert_emulation=f"top-{cfg.top_k} of E={E}, expert j served by "
+                          "slot j mod e"),
               timing=dict(repeats=args.repeats, min_run_s=args.min_run_s,
                           statistic="median over repeats of seconds per decode step"),
               measured={}, fixed=[], rows=[], variants=[])
@@ -362,7 +377,7 @@ def main(argv=None):
       log(f"{tag}: FAILED {type(ex).__name__}: {str(ex)[:300]}")
       state_b = None  # donated buffers may be gone
       continue
-    row = dict(v, step_seconds=med, repeats=reps, compile_s=round(comp, 2))
+    row: dict[str, Any] = dict(v, step_seconds=med, repeats=reps, compile_s=round(comp, 2))
     fixed = [r["seconds"] for r in meta["fixed"] if r["batch"] == b]
     if fixed:
       row["seconds_per_layer"] = (med - fixed[0]) / L

@@ -7,7 +7,8 @@ unpermute -> exchange back -> weighted combine in k order on the home worker.
 Two exchanges (`EPConfig.exchange`), bitwise the same result:
 - 'all_to_all' (the reference and the CPU default): `lax.all_to_all` of [N, cap, D] buffers with
   capacity cap = tokens*k per destination (exact, nothing dropped), so every worker sends and
-  receives N x its routed rows, most of it padding; `capacity_buckets` can shrink cap per chunk.
+  receives N x its routed rows, most of it padding; `capacity_factors` size cap from the chunk's
+  routing instead (buckets at multiples of the balanced load tokens*k/N, exact as the last).
 - 'ragged': the copies packed by destination into [tokens*k, D], one all_gather of the
   per-destination counts (the [N, N] count matrix gives every worker the offsets of both
   directions), `ragged_all_to_all` of the rows and their slot ids into a static worst-case
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -56,6 +58,25 @@ def resolve_exchange(exchange: str) -> str:
   return exchange
 
 
+def tile_m_for_rows(rows_per_expert: float) -> int:
+  """Expert GEMM tile for groups of about `rows_per_expert` rows on XLA:CPU: the largest power of
+  two at most the rows below 16 rows, at most half of them from there, 1 to 128. Measured at
+  [2048x768] experts, CPU seconds: the grouped matmul over 16 groups of 256 rows with tiles of
+  32, 64, 128 and 256 cost 1.47x, 1.32x, 1.27x and 1.41x one dense matmul over the same rows
+  (each used group pads about half a tile; tiles of 64-128 rows run near one large GEMM's rate);
+  `python -m flexfloor_jax.bench.moe` at 32 rows per expert slot took 2196, 1992, 1868 and 2058 ms
+  with tiles of 8, 16, 32 and 64, and at 2 rows 689, 552, 582 and 555 ms with tiles of 8, 4, 2
+  and 1: below 8 rows a tile of 8 multiplies mostly padding. Static: a compiled shape's tile
+  must not follow its routing, or a row's result would depend on its batch company. The engine
+  keeps its own decode and prefill tiles (8 and 32: the smallest the Mosaic GPU kernel takes is
+  8, and a tile is the same on every backend)."""
+  rows = rows_per_expert if rows_per_expert < 16 else rows_per_expert / 2
+  tile = 1
+  while tile < 128 and 2 * tile <= rows:
+    tile *= 2
+  return tile
+
+
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
   """Static description of one expert-parallel group (one compiled shape)."""
@@ -66,11 +87,14 @@ class EPConfig:
   chunk_tokens: int = 64  # tokens per exchange; longer inputs loop over chunks
   backend: str = "xla"  # 'xla' | 'pallas'
   interpret: bool = False  # Pallas interpret mode (CPU)
-  # Exchange capacity buckets as divisors of the exact capacity tokens*top_k, e.g. (8, 4, 2): the
-  # exchange uses the smallest capacity cap/b that holds the largest count any worker sends to
-  # any worker this chunk (one pmax), else the exact one. Empty: always the exact capacity.
-  # 'all_to_all' exchange only (the ragged one sends no padding).
-  capacity_buckets: tuple = ()
+  # Exchange capacity buckets as multiples of the balanced load per destination tokens*top_k/N,
+  # e.g. (1.25, 2): the exchange uses the smallest bucket that holds the largest count any worker
+  # sends to any worker this chunk (one pmax), else the exact capacity tokens*top_k, so nothing is
+  # ever dropped. The expert side's buffers are N x the bucket rows, so a bucket near 1 keeps the
+  # layer's work near the routed rows. Each bucket is one more branch of the layer to compile.
+  # Empty: always the exact capacity. 'all_to_all' exchange only (the ragged one sends no
+  # padding).
+  capacity_factors: tuple = ()
   exchange: str = "all_to_all"  # 'all_to_all' | 'ragged' (see the module docstring)
   choices: MoEChoices = MoEChoices()  # the model's router/expert block choices (Mixtral's)
 
@@ -125,8 +149,11 @@ def _expert_mlp(x_PD, w1, w3, w2, plan, ep: EPConfig, biases=()):
   return grouped_matmul(h, w2, plan.tile_group, plan.num_tiles_used, **kw) + rows(b2)
 
 
-def _exchange_capacities(cap: int, buckets) -> list[int]:
-  return sorted({max(1, -(-cap // b)) for b in buckets if b > 1} | {cap})
+def exchange_capacities(cap: int, num_workers: int, factors) -> list[int]:
+  """Rows per destination of each capacity bucket, ascending, the exact `cap` last: factor f of
+  the balanced load cap/N, rounded up, at most cap."""
+  caps = {min(cap, math.ceil(f * cap / num_workers)) for f in factors if f > 0}
+  return sorted({c for c in caps if c > 0} | {cap})
 
 
 def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
@@ -139,7 +166,7 @@ def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   # Home side: token copies to their destination workers.
   slot_R = expert_to_slot_E[experts_TK].reshape(t * k)
   valid_R = jnp.repeat(valid_T, k)
-  caps = _exchange_capacities(t * k, ep.capacity_buckets)
+  caps = exchange_capacities(t * k, n, ep.capacity_factors)
   args = (x_TD, lp, slot_R, valid_R, weights_TK)
   if ep.exchange == "ragged":
     y_TD = _exchange_ragged(ep, *args)

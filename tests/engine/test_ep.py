@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.moe import ep_moe
+from flexfloor_jax.model.moe import ep_moe, exchange_capacities, tile_m_for_rows
 
 MESH_SIZES = (1, 2, 3, 4, 8)  # 3: ceil(8/3) = 3 slots per worker, one empty slot on worker 2
 
@@ -267,6 +267,61 @@ def test_every_routed_copy_comes_back_once(params, setups, n, router, exchange):
   assert counts[0].sum() == valid.sum() * TINY.top_k
 
 
+# Qwen3-MoE's routing at tiny width: 128 experts, top-8, one layer.
+Q128 = TINY.replace(num_experts=128, top_k=8, num_layers=1, hidden_size=32, intermediate_size=16)
+
+
+@pytest.fixture(scope="module")
+def q128_setups():
+  params = make_params(Q128, seed=4)
+  cache = {}
+
+  def get(n, **ep_changes):
+    key = (n, tuple(sorted(ep_changes.items())))
+    if key not in cache:
+      st = EPSetup(params, Q128, n)
+      st.ep = dataclasses.replace(st.ep, **ep_changes)
+      cache[key] = st
+    return cache[key]
+
+  return params, get
+
+
+@pytest.mark.parametrize("t", (2, 8))
+def test_128_experts_top8_decode_batches(q128_setups, t):
+  """Decode batches at 128 experts, top-8: t tokens per worker, so 1 (t=2) or 4 (t=8) rows per
+  expert slot at 8 workers on average, most tiles of the engine's 8-row decode tile padding.
+  Per mesh size (16, 64 and 128 slots per worker) the layer equals the dense reference, invalid
+  tokens get 0, and a token's output is bitwise the same at every mesh size (tiles of one GEMM
+  shape, the k=8 copies added in k order; as in the engine, t per worker stays the same, since
+  the router's matmul may round differently for another number of rows); capacity factors
+  change no bit."""
+  params, get = q128_setups
+  lp = {k: v[0] for k, v in params["layers"].items()}
+  rng = np.random.default_rng(60 + t)
+  x = rng.standard_normal((8 * t, Q128.hidden_size)).astype(np.float32)
+  valid = rng.random(8 * t) > 0.25
+  valid[0] = True
+  want, _ = jax.jit(lambda x, lp, v: tfm.moe_dense_reference(x, lp, v, top_k=Q128.top_k))(
+      x, lp, valid)
+  want = np.asarray(want)
+  outs = {}
+  for n, changes in ((8, {}), (8, {"capacity_factors": (1.25, 2)}), (2, {}), (1, {})):
+    st = get(n, **changes)
+    rest_lp = {k: v[0] for k, v in st.rest["layers"].items()}
+    r = n * t  # the first n workers' tokens of the 8-worker batch
+    y, experts, counts = (np.asarray(a) for a in _layer_fn(st)(
+        rest_lp, st.experts, st.shard(x[:r]), st.shard(valid[:r])))
+    assert st.slots == 128 // n
+    diff = np.abs(y - want[:r])[valid[:r]].max()
+    assert diff <= 1e-5, f"N={n} {changes}: max|ep_moe - dense| = {diff:.3g}"
+    assert (y[~valid[:r]] == 0).all()
+    assert counts[0].sum() == valid[:r].sum() * Q128.top_k
+    outs[(n, bool(changes))] = y
+  for (n, factors), y in outs.items():
+    np.testing.assert_array_equal(y, outs[(8, False)][:n * t], err_msg=f"N={n} {factors=}")
+
+
 # ----------------------------------------------------------------------------- 3. gradients
 
 
@@ -327,14 +382,16 @@ def test_moe_gradients_equal_dense_reference(params, setups, n):
 
 @pytest.mark.parametrize("n", (3, 8))
 def test_capacity_buckets_change_no_bit(params, setups, n):
-  """Exchange buffers sized by capacity buckets (the smallest of cap/8, cap/4, cap/2, cap that
-  holds the largest count any worker sends to any worker) give bitwise the outputs of the exact
-  capacity: 'random' routing takes a smaller bucket, 'skewed' (every copy to the holders of
-  experts 6 and 7) the exact one, 'full' (skewed, the first half of every worker's tokens valid)
-  fills a smaller bucket to its last row with invalid copies behind it (an invalid copy's -1 send
-  position once wrapped onto that row and overwrote a valid copy)."""
+  """Exchange buffers sized by capacity factors (the smallest bucket of 1, 1.5, 2 or 4 x the
+  balanced load cap/N, or the exact cap, that holds the largest count any
+  worker sends to any worker) give bitwise the outputs of the exact capacity: 'random' routing
+  takes a smaller bucket, 'skewed' (every copy to the holders of experts 6 and 7) the exact one,
+  'full' (skewed, the first half of every worker's tokens valid) fills a smaller bucket to its
+  last row with invalid copies behind it (an invalid copy's -1 send position once wrapped onto
+  that row and overwrote a valid copy)."""
   st = setups(n)
-  bucketed = _variant(setups, n, capacity_buckets=(8, 4, 2))
+  factors = (1, 1.5, 2, 4)
+  bucketed = _variant(setups, n, capacity_factors=factors)
   lp = _layer0(params)
   t = 24
   e2s = np.asarray(st.e2s)
@@ -361,8 +418,21 @@ def test_capacity_buckets_change_no_bit(params, setups, n):
     cap = t * TINY.top_k
     if router == "random":
       assert max(counts) <= cap // 2, counts  # a smaller bucket than the exact capacity
-    if router == "full":  # the last worker's rows of the buffer are exactly full
-      assert sent[:, -1].max() == sent.max() and sent.max() in (cap // 2, cap // 4), sent
+    caps = exchange_capacities(cap, n, factors)
+    if router == "full":  # the last worker's rows of a smaller bucket are exactly full
+      assert sent[:, -1].max() == sent.max() and sent.max() in caps[:-1], (sent, caps)
+
+
+def test_exchange_capacities_and_tile_for_rows():
+  """Capacity buckets: factors of the balanced load tokens*k/N, rounded up, the exact capacity
+  last and never exceeded (one worker: only the exact one). Tiles: half the rows per expert as a
+  power of two at most the rows below 16, at most half of them from there, 1 to 128."""
+  assert exchange_capacities(4096, 8, (1.25, 1.5, 2)) == [640, 768, 1024, 4096]
+  assert exchange_capacities(48, 8, (1, 1.5, 2, 4)) == [6, 9, 12, 24, 48]
+  assert exchange_capacities(48, 1, (1.25, 2)) == [48]
+  assert exchange_capacities(48, 8, (0, 100)) == [48]
+  assert [tile_m_for_rows(r) for r in (0.5, 2, 3, 8, 15, 16, 32, 64, 256, 4096)] == [
+      1, 2, 2, 8, 8, 8, 16, 32, 128, 128]
 
 
 # ----------------------------------------------------------------------------- 4. ragged exchange

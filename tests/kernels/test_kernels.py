@@ -254,7 +254,8 @@ def test_grouped_matmul_xla_rounds_equal_run_loop_bitwise(dtype, tile_m, transpo
   rounds = jax.jit(functools.partial(gmm_xla.gmm_rounds, **kw))
   run_loop = jax.jit(functools.partial(gmm_xla.gmm_run_loop, **kw))
   auto = jax.jit(functools.partial(gmm_xla.gmm_xla, **kw))
-  layouts = [np.repeat(np.arange(groups), 2),  # balanced decode: rounds
+  layouts = [np.concatenate([np.arange(groups), np.full(5, groups - 1)]),  # decode: one round
+             np.repeat(np.arange(groups), 2),  # balanced, two tiles per group: the run loop
              np.asarray([3, 3, 0, 3, 1, 1, 1, 4, 2, 2]),  # unsorted, a group comes back
              np.asarray([0] * 9 + [4]),  # skewed: the run loop
              rng.integers(0, groups, 10)]
