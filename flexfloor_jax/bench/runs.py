@@ -165,11 +165,7 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   if roof["device_steps"] != plain["device_steps"]:
     raise AssertionError(f"the cost model's replay ran {roof['device_steps']} device-steps, the "
                          f"plain one {plain['device_steps']}")
-  m["occupied_device_seconds"] = roof["occupied_device_seconds"]
-  m["makespan_s"] = roof["makespan_s"]
-  tokens = roof["generated_tokens"]
-  m["tokens_per_occupied_device_second"] = tokens / roof["occupied_device_seconds"]
-  m["throughput_tokens_per_s"] = tokens / roof["makespan_s"]
+  m.update(replay.seconds_figures(roof))
   return m, lengths
 
 

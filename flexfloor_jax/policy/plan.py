@@ -54,18 +54,16 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   timed: dict[str, Any] = dict(cost=cost, makespan_slack=makespan_slack)
   # admission in seconds: the rows a worker runs at once, for every schedule alike
   rows = admission(seqs, history, cost, slots_per_worker)
-  if rows < slots_per_worker:
-    timed["max_rows"] = rows
-    if kv is None:  # fixed slots: the placements fill `rows` lanes (a pool's rows are its own)
-      slots_per_worker = rows
+  max_rows = rows if rows < slots_per_worker else None  # None: every slot
+  timed["max_rows"] = max_rows
+  if kv is None:  # fixed slots: the placements fill `rows` lanes (a pool's rows are its own)
+    slots_per_worker = rows
   if flex and placement == "auto":
     # the shared queue at run time, in the candidates' simulation as in the rollout
     queues, pred, info = scheduler.flexfloor_schedule(
         seqs, history, workers, slots_per_worker, floor=floor,
         steps_per_dispatch=steps_per_dispatch, seed=epoch, makespan_slack=makespan_slack,
-        policy_kw=dict(shared_queue=True, sizes=sizes,
-                       **({"max_rows": rows} if "max_rows" in timed else {})),
-        kv=kv, cost=cost)
+        policy_kw=dict(shared_queue=True, sizes=sizes, max_rows=max_rows), kv=kv, cost=cost)
     policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,
@@ -95,7 +93,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
   if schedule == "balanced":
     policy = release_policy.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
                                    compaction=False, swap=False, steal=False, shared_queue=True,
-                                   predicted=pred, max_rows=timed.get("max_rows"))
+                                   predicted=pred, max_rows=max_rows)
     return queues, policy, pred
   queues = scheduler.static_placement(seqs, workers)
   policy = release_policy.ReleasePolicy(enabled=flex, floor=floor if flex else num_workers,

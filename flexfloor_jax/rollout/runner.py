@@ -54,7 +54,7 @@ from flexfloor_jax.rollout.outputs import OutputError, check_finite_logprobs, pu
 from flexfloor_jax.runtime import mesh as mesh_lib
 from flexfloor_jax.sim.costs import RooflineCost, named_step_cost
 from flexfloor_jax.sim.presets import parse_cost_model
-from flexfloor_jax.sim.replay import replay
+from flexfloor_jax.sim.replay import replay, seconds_figures
 
 log = logging.getLogger(__name__)
 
@@ -346,11 +346,12 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
   return record
 
 
-def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record) -> dict:
+def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record,
+                          device_steps: int) -> dict:
   """This rollout in the seconds of a named roofline pair (the one it decided in, else
   scheduler.cost_model): the same policy replayed on the lengths it produced (sim.replay),
   releases and migrations charged. On emulated CPU devices the host's seconds say nothing about
-  an accelerator's; these do. `replay_matches_run`: the replay made the run's device-steps (not
+  an accelerator's; these do. `replay_matches_run`: the replay made the run's `device_steps` (not
   when releases waited for background compiles, which the replay does not model)."""
   r = config.rollout
   decided = prep.step_cost.startswith("roofline:")
@@ -366,12 +367,8 @@ def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record) -> 
                 policy_cost=named_step_cost(name, prep.seqs) if decided else None,
                 kv=kv_pool.pool_factory(r, prep.num_workers, prep.seq_len)
                 if prep.kv_pool is not None else None)
-  tokens = m["generated_tokens"]
-  return dict(cost_model=name, occupied_device_seconds=m["occupied_device_seconds"],
-              makespan_s=m["makespan_s"],
-              tokens_per_occupied_device_second=tokens / m["occupied_device_seconds"],
-              throughput_tokens_per_s=tokens / m["makespan_s"],
-              replay_matches_run=m["device_steps"] == record.metrics()["device_steps"])
+  return dict(cost_model=name, **seconds_figures(m),
+              replay_matches_run=m["device_steps"] == device_steps)
 
 
 def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, record, *,
@@ -410,7 +407,7 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            if cplan else None,
            **held_summary(policy))
   warn_held(m)
-  m["seconds"] = seconds_on_cost_model(config, prep, record)
+  m["seconds"] = seconds_on_cost_model(config, prep, record, m["device_steps"])
   if prep.kv_pool is not None:
     prep.kv_pool.check()  # every page back in the pool
     m.update(kv_pool.summary(prep.kv_pool, sum(

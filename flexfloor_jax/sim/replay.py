@@ -113,6 +113,16 @@ class CostExecutor(stepsim.SimExecutor):
     return stats
 
 
+def seconds_figures(m: dict) -> dict:
+  """A replay's headline in its cost model's seconds (metrics of `replay` with a cost):
+  occupied_device_seconds, makespan_s, tokens_per_occupied_device_second,
+  throughput_tokens_per_s."""
+  tokens = m["generated_tokens"]
+  return dict(occupied_device_seconds=m["occupied_device_seconds"], makespan_s=m["makespan_s"],
+              tokens_per_occupied_device_second=tokens / m["occupied_device_seconds"],
+              throughput_tokens_per_s=tokens / m["makespan_s"])
+
+
 def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule: str,
            num_workers: int, slots_per_worker: int, floor: int, *, cost=None,
            model: Model | None = None, steps_per_dispatch: int = 8, placement: str = "auto",
