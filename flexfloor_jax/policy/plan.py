@@ -68,6 +68,7 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
                                    shared_queue=True,
                                    predicted_makespan_steps=float(info["balanced_predicted_makespan"]),
+                                   pool_rows=pool_rows(seqs, pred, kv, steps_per_dispatch),
                                    **timed)
     return queues, policy, pred
   predicted = prediction.predict(history, seqs)
@@ -88,7 +89,9 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
           for v in queues.values())
     policy = release_policy.ReleasePolicy(enabled=True, floor=floor, chain=list(workers),
                                    compaction=bool(compaction), predicted=pred, sizes=sizes,
-                                   shared_queue=True, predicted_makespan_steps=makespan, **timed)
+                                   shared_queue=True, predicted_makespan_steps=makespan,
+                                   pool_rows=pool_rows(seqs, pred, kv, steps_per_dispatch),
+                                   **timed)
     return queues, policy, pred
   if schedule == "balanced":
     policy = release_policy.ReleasePolicy(enabled=True, floor=num_workers, chain=list(workers),
@@ -100,6 +103,15 @@ def plan_rollout(seqs: list[Seq], history: LengthHistory, schedule: str,
                                  chain=list(workers), compaction=flex and bool(compaction),
                                  steal=False, predicted=pred, sizes=sizes, **timed)
   return queues, policy, pred
+
+
+def pool_rows(seqs: list[Seq], pred: dict[int, float], kv, steps_per_dispatch: int) -> int | None:
+  """Paged KV: the rows a worker's pool holds at once on the predicted lengths (its pages over
+  the mean reservation); None where the pool never binds (rows alone limit) or slots."""
+  if kv is None or not seqs:
+    return None
+  load = scheduler.PoolLoad(seqs, [pred[s.seq_id] for s in seqs], kv, steps_per_dispatch)
+  return load.lanes if load.binds() else None
 
 
 def admission(seqs: list[Seq], history: LengthHistory, cost, slots_per_worker: int) -> int:

@@ -102,6 +102,11 @@ class ReleasePolicy:
   slack_used_s: float = 0.0  # seconds of makespan the releases so far are predicted to add
   # Admission: rows a worker runs at once (costs.admission_rows); None = every slot
   max_rows: int | None = None
+  # Paged KV: the rows a worker's pool holds at once on the predicted lengths (pages over the
+  # mean reservation); None = every slot. Bounds the rows a release's survivors are predicted to
+  # run and the spare rows an evacuation may fill: a group that cannot hold its work at once runs
+  # longer on fewer workers than slots say
+  pool_rows: int | None = None
 
   def __post_init__(self):
     if self.floor < 1:
@@ -159,7 +164,7 @@ class ReleasePolicy:
     if not self.enabled:
       return None
     chain = self._chain(st)
-    B = st.slots_per_worker
+    B = self._rows(st)
     may_release = len(st.active) > self.floor and self._may_release(st, chain)
     may_steal = (self.steal or self.shared_queue) and self._may_steal(st, chain)
     if not (may_release or may_steal):
@@ -168,7 +173,8 @@ class ReleasePolicy:
     live = {w: [(s, q, self.remaining(st.seqs[q], st.generated[q])) for s, q in st.live(w)]
             for w in chain}
     queue = {w: list(st.queues[w]) for w in chain}
-    free = {w: st.free_slots(w) for w in chain}
+    # free rows the pool can fill (a worker past its pool's rows has none)
+    free = {w: st.free_slots(w)[:max(0, B - st.num_live(w))] for w in chain}
     slot_moves, queue_moves = {}, {}  # seq id -> (sw, ss, dw, ds) / (sw, dw)
 
     def add_queue_moves(qm):
@@ -204,12 +210,11 @@ class ReleasePolicy:
         snaps[len(alive)] = save()
     if snaps:
       n = len(chain)
-      if cost is not None:  # the size with the fewest device-seconds per step among those that pay
-        # rows that will run: the live ones and the queued ones the slots will take
-        k = sum(st.num_live(w) + len(st.queues[w]) for w in chain)
-        ok = [m for m in snaps if m == n or self._release_pays(n, m, snaps[m][1], snaps[m][2],
-                                                               st, B)]
-        pick = min(ok, key=lambda m: (self._seconds_per_token(m, k, B), m))
+      if cost is not None:  # the size with the fewest device-seconds per token among those that pay
+        steps = {m: self._step(snaps[m][0], snaps[m][1], snaps[m][2], st, B) for m in snaps}
+        ok = [m for m in snaps if m == n or self._release_pays(n, m, steps[n], steps[m],
+                                                               snaps[m][1], snaps[m][2], st, B)]
+        pick = min(ok, key=lambda m: (self._seconds_per_token(m, *steps[m]), m))
       else:  # the smallest allowed size reached
         pick = min(snaps)
       alive, live, queue, free, slot_moves, queue_moves, nd = snaps[pick]
@@ -222,49 +227,63 @@ class ReleasePolicy:
     if len(alive) == len(chain) and not slot_moves and not queue_moves:
       return None
     if cost is not None and len(alive) < len(chain):
-      self.slack_used_s += self._added_makespan(cost, len(chain), len(alive), live, queue, st, B)
+      self.slack_used_s += self._added_makespan(steps[len(chain)], steps[len(alive)], live, queue,
+                                                st, B)
     return Plan(moves=list(slot_moves.values()),
                 queue_moves=[(sw, dw, q) for q, (sw, dw) in queue_moves.items()],
                 new_active=[w for w in st.active if w in set(alive)])
+
+  def _rows(self, st: State) -> int:
+    """Rows a worker runs at once: its slots, fewer where the pool holds fewer."""
+    B = st.slots_per_worker
+    return max(1, min(B, self.pool_rows)) if self.pool_rows else B
 
   # -- time-aware floor -----------------------------------------------------------------------
   def _remaining_steps(self, live, queue, st, B) -> float:
     return max((self._finish(w, live, queue, st, B) for w in live), default=0.0)
 
-  def _live_count(self, live, queue) -> int:
-    """Rows that will run: the live ones and the queued ones (a release decided before the first
-    prefill must see the work its survivors take on)."""
-    return sum(len(v) for v in live.values()) + sum(len(v) for v in queue.values())
-
-  def _added_makespan(self, cost: StepCost, n, m, live, queue, st, B) -> float:
-    R = self._remaining_steps(live, queue, st, B)
-    k = self._live_count(live, queue)
-    return max(0.0, R * (cost.decode_seconds(m, min(k, m * B))
-                         - cost.decode_seconds(n, min(k, n * B))))
-
-  def _seconds_per_token(self, m: int, k: int, B: int) -> float:
-    """Occupied device-seconds per generated token on m workers with k rows to run: m x the step
-    over the rows that fit (min(k, m B)), per row. Per step would favour a group too small to
-    run every row at once: its steps are cheaper, but each makes fewer tokens."""
+  def _step(self, ws, live, queue, st, B) -> tuple[float, int]:
+    """(seconds, rows) of the next decode step on workers `ws` holding the rows `live`, each
+    reading its cached tokens (prompt and what it generated), once the free rows take the queued
+    seqs, each where the fewest rows are (the shared queue spreads them so) reading its prompt.
+    The actual rows and lengths, not a mean: a long tail's rows read far more than the batch's
+    mean context, and a release's survivors hold the evacuated rows beside their own."""
     assert self.cost is not None
-    rows = min(k, m * B)
-    return m * self.cost.decode_seconds(m, rows) / max(rows, 1)
+    rows = np.array([len(live[w]) for w in ws], float)
+    kv = np.array([sum(st.seqs[q].prompt_len + st.generated.get(q, 0) for _, q, _ in live[w])
+                   for w in ws], float)
+    waiting = [q for w in ws for q in queue[w]]
+    for q in waiting[:max(0, int(len(ws) * B - rows.sum()))]:
+      i = int(np.argmin(rows))
+      rows[i] += 1
+      kv[i] += st.seqs[q].prompt_len
+    return float(self.cost.worker_step_seconds(rows, kv)), int(rows.sum())
 
-  def _release_pays(self, n, m, live, queue, st, B) -> bool:
-    """With a cost model: going from n to m active workers lowers device-seconds per step and the
-    makespan it adds fits in the slack left. Without one every release pays (device-steps)."""
-    cost = self.cost
-    if cost is None:
-      return True
-    k = self._live_count(live, queue)
-    if self._seconds_per_token(m, k, B) >= self._seconds_per_token(n, k, B):
+  def _added_makespan(self, before, after, live, queue, st, B) -> float:
+    """Predicted makespan a release adds: its remaining steps x what it adds to a step."""
+    return max(0.0, self._remaining_steps(live, queue, st, B) * (after[0] - before[0]))
+
+  @staticmethod
+  def _seconds_per_token(m: int, seconds: float, rows: int) -> float:
+    """Occupied device-seconds per generated token on m workers: m x the step, per row. Per step
+    would favour a group too small to run every row at once: its steps are cheaper, but each
+    makes fewer tokens."""
+    return m * seconds / max(rows, 1)
+
+  def _release_pays(self, n, m, before, after, live, queue, st, B) -> bool:
+    """With a cost model: going from n to m workers (their next steps `before` and `after`,
+    each (seconds, rows)) lowers device-seconds per token and the makespan it adds fits in the
+    slack left."""
+    if self._seconds_per_token(m, *after) >= self._seconds_per_token(n, *before):
       return False
     if self.predicted_makespan_steps is None:
       return True
-    assert self.chain is not None  # set by _chain() before plan() weighs a release
-    budget = self.makespan_slack * self.predicted_makespan_steps * cost.decode_seconds(
-        len(self.chain), min(k, len(self.chain) * B))
-    added = self._added_makespan(cost, n, m, live, queue, st, B)
+    assert self.cost is not None and self.chain is not None  # set before plan() weighs a release
+    # the budget: a share of the predicted makespan at full width (the group's first size)
+    full = len(self.chain)
+    budget = self.makespan_slack * self.predicted_makespan_steps * self.cost.decode_seconds(
+        full, min(before[1], full * B))
+    added = self._added_makespan(before, after, live, queue, st, B)
     return self.slack_used_s + added <= budget + 1e-12
 
   def _share(self, alive, queue, free, st):

@@ -44,6 +44,13 @@ class PoolLoad:
     self.pred = pred
     self.work = self.reserve * pred  # reserved page-steps per sequence
 
+  @property
+  def lanes(self) -> int:
+    """Rows a worker's pool holds at once on these predictions: its rows, fewer where its pages
+    over the mean reservation are fewer."""
+    mean = max(float(self.reserve.mean()), 1.0) if len(self.reserve) else 1.0
+    return max(1, min(self.rows, int(self.pages // mean)))
+
   def binds(self) -> bool:
     """Whether pages can ever stop an admission: not when every row may hold the largest
     reservation at once. Otherwise rows alone limit a worker, as fixed slots do, and the lane
@@ -97,16 +104,27 @@ def balanced_placement(seqs: list[Seq], predicted, workers: list[int],
   prompt may go to different workers. Queues
   are longest first, so with a shared queue at run time every free slot takes the longest work
   still waiting.
-  pool (paged KV, a PoolLoad of the same seqs and predictions): each onto the worker whose
-  predicted finish on its pool (PoolLoad.finish_with: rows and reserved page-steps) is least after
-  taking it."""
+  pool (paged KV, a PoolLoad of the same seqs and predictions): the same rule over the rows the
+  pool holds at once (PoolLoad.lanes), where a worker's reserved page-steps over its pages, once
+  past its lanes' finish (the pool, not the rows, then limits it), are its finish. Not
+  PoolLoad.finish_with's estimate, which prices rows as free: where pages are plentiful it
+  stacks rows onto the worker whose longest row ends first while the others run a fraction of
+  theirs, and every step of the group waits for the fullest worker."""
   pred = np.asarray(predicted, float)
   queues: dict[int, list[int]] = {int(w): [] for w in workers}
   if pool is not None:
-    loads = {int(w): pool.empty() for w in workers}
+    heaps = {int(w): [0.0] * pool.lanes for w in workers}
+    work = dict.fromkeys(heaps, 0.0)  # reserved page-steps
+
+    def key(v, i):
+      lane = heaps[v][0] + pred[i]
+      paged = (work[v] + pool.work[i]) / pool.pages
+      return (paged if paged > max(lane, max(heaps[v])) else lane, len(queues[v]), v)
+
     for i in sorted(range(len(seqs)), key=lambda i: (-pred[i], i)):
-      w = min(loads, key=lambda v: (pool.finish_with(loads[v], i), len(queues[v]), v))
-      pool.add(loads[w], i)
+      w = min(heaps, key=lambda v: key(v, i))
+      heapq.heapreplace(heaps[w], heaps[w][0] + pred[i])
+      work[w] += pool.work[i]
       queues[w].append(seqs[i].seq_id)
     return queues
   lanes = {int(w): [0.0] * slots_per_worker for w in workers}

@@ -191,3 +191,25 @@ def test_work_stealing_shortens_completion():
   assert on['makespan_steps'] <= off['makespan_steps'] - 40
   assert any(m['queue_moves'] for m in rec.timeline.migrations)
   assert on['kv_bytes_migrated'] == 0  # queued seqs have no KV yet
+
+
+@pytest.mark.parametrize("pool_rows, released", [(None, True), (2, False)])
+def test_evacuation_fills_only_the_rows_the_pool_holds(pool_rows, released):
+  """Worker 0 runs one row, worker 1 two of its four slots; all three have 50 tokens left. Moving
+  worker 0's row onto worker 1 frees worker 0 at no cost in completion: the policy does it. When
+  worker 1's pool holds only two rows at once (ReleasePolicy.pool_rows), it has no free row to
+  give: nothing moves (the moved row would wait for pages on the survivor, not run)."""
+  from collections import deque
+
+  from flexfloor_jax.policy.controller import State
+  seqs = {i: Seq(i, f"p{i}", 0, 8, 100, 100) for i in range(3)}
+  st = State(seqs=seqs, active=[0, 1], slots_per_worker=4,
+             slots=[[0, -1, -1, -1], [1, 2, -1, -1]], generated={0: 50, 1: 50, 2: 50},
+             queues={0: deque(), 1: deque()}, step=50)
+  pol = ReleasePolicy(enabled=True, floor=1, chain=[0, 1], steal=False,
+                      predicted={i: 100.0 for i in seqs}, pool_rows=pool_rows)
+  plan = pol.plan(st)
+  if released:
+    assert plan is not None and plan.new_active == [1] and plan.moves == [(0, 0, 1, 2)]
+  else:
+    assert plan is None

@@ -126,6 +126,45 @@ def test_pool_aware_balanced_placement_by_hand():
   assert pages.makespan_lower_bound(seqs, lengths, 2, 16, 4, 4)['bound'] == 43
 
 
+def test_pool_balanced_placement_spreads_rows_where_pages_are_plentiful():
+  """2 workers of 8 rows, pools of 120 pages of 4 tokens: the pages could stop an admission (8
+  rows x a 100's 26 pages > 120), but the predicted lengths fit at once (106 pages in all). The
+  rows then decide, as with lanes: the 100 and the 90 on different workers, the 10s alternate,
+  8 sequences each. A finish that prices rows as free (sequences + the longest row) puts 10s on
+  the worker with the 90 until it holds 11 more than the other, and in seconds, where a step is
+  as slow as its fullest worker, that placement runs longer."""
+  from flexfloor_jax.policy.pages import PagePool
+  seqs = [Seq(i, f'p{i}', 0, 4, n, 200) for i, n in enumerate([100, 90] + [10] * 14)]
+  pred = [float(s.target_len) for s in seqs]
+
+  def kv(p):
+    return PagePool(2, 120, 4, 8, predicted=p, margin=0.0)
+
+  load = scheduler.PoolLoad(seqs, pred, kv, 5)
+  assert load.binds() and load.lanes == 8
+  q = scheduler.balanced_placement(seqs, pred, [0, 1], 8, pool=load)
+  assert sorted(len(v) for v in q.values()) == [8, 8]
+  assert {0, 1} <= {q[0][0], q[1][0]}  # the two long ones apart, each first in its queue
+  stacked = {0: [0, 2, 3], 1: [1] + list(range(4, 16))}
+
+  class PerRow:  # 1 s a step plus 0.1 s a row on the fullest worker
+    name = "hand"
+
+    def worker_step_seconds(self, rows_w, kv_w):
+      return 1.0 + 0.1 * float(max(rows_w))
+
+    def decode_seconds(self, n_active, live_seqs):
+      return 1.0 + 0.1 * -(-live_seqs // n_active)
+
+    def prefill_seconds(self, prompt_w):
+      return 1.0
+
+  lengths = {s.seq_id: s.target_len for s in seqs}
+  secs = [stepsim.simulate(seqs, None, v, release_policy.ReleasePolicy(False), 2, 8, 5,
+                           kv=kv(lengths), cost=PerRow())['makespan_s'] for v in (q, stacked)]
+  assert secs[0] < secs[1]
+
+
 def test_pool_aware_pack_spreads_what_lanes_stack():
   """_pack with lanes puts everything on the chain's tail (the 8 onto its 4 lanes finish at 44);
   on the pool the tail takes the first 40 and three 4s (4 sequences + 40 = 44; the second 40
