@@ -1,11 +1,15 @@
 """`python -m flexfloor_jax.memory [--preset 8x7b] [--device_memory_gb 80] [--workers 8]`: the
 memory floor of a model preset, term by term (flexfloor_jax.engine.memory), with the rollout
 fields of its family's config file (configs/<family>.py: mixtral.py for 8x7b, qwen3_moe.py for
-qwen3-30b-a3b)."""
+qwen3-30b-a3b, deepseek_v3.py for deepseek-v3), and the KV bytes per token the floor's KV term
+is made of (a latent cache's for multi-head latent attention)."""
 
 import argparse
 
+import jax.numpy as jnp
+
 from flexfloor_jax.config import files
+from flexfloor_jax.engine.memory import kv_bytes
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.transformer import kv_layout
 from flexfloor_jax.policy.floor import FloorError, expert_slots
@@ -39,6 +43,13 @@ def main(argv=None):
   print(f"  non-expert   {t.nonexpert / gib:9.3f} GiB")
   print(f"  KV           {t.kv / gib:9.3f} GiB  (KV caches + slot state of one worker)")
   lay = kv_layout(model_cfg, seq_len)
+  per_token, _ = kv_bytes(model_cfg, seq_len)
+  heads, kd, vd = model_cfg.kv_dims()
+  size = jnp.dtype(model_cfg.dtype).itemsize
+  what = (f"({kd} latent + {vd} RoPE key) values" if model_cfg.mla
+          else f"{heads} KV heads x ({kd} + {vd}) values")
+  print(f"               ({per_token:,} bytes per token = {len(lay.full_layers)} layers x {what} "
+        f"x {size} bytes)")
   if lay.ring_layers:
     print(f"               ({len(lay.ring_layers)} sliding layers keep their {lay.ring_len}-token "
           f"window, {len(lay.full_layers)} full layers all {seq_len} tokens)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,7 @@ def mixtral_config(**overrides):
   kw.setdefault("bos_token_id", 1)
   kw.setdefault("eos_token_id", 2)
   return MixtralConfig(rope_parameters={"rope_type": "default", "rope_theta": theta},
-                       attn_implementation="eager", **kw)
+                       attn_implementation="eager", **kw)  # pyright: ignore[reportCallIssue]
 
 
 def build_model(config, seed: int):
@@ -62,6 +63,11 @@ def build_model(config, seed: int):
         p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
       elif name.endswith(("bias", "sinks")):
         p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    # DeepSeek-V3's correction bias is a buffer (zeros at init): drawn at the scale of the
+    # sigmoid scores' spread, so that it changes which experts are chosen
+    for name, b in model.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.copy_(0.1 * torch.randn(b.shape, generator=g))
   return model
 
 
@@ -92,7 +98,7 @@ def qwen3_config(case: str = "q3", **overrides):
   kw.setdefault("bos_token_id", 1)
   kw.setdefault("eos_token_id", [2, 3])
   return Qwen3MoeConfig(rope_parameters={"rope_type": "default", "rope_theta": theta},
-                        attn_implementation="eager", **kw)
+                        attn_implementation="eager", **kw)  # pyright: ignore[reportCallIssue]
 
 
 # GPT-OSS parity cases. "go": 12 experts top-4, layers sliding / full / sliding (window 4; prompts
@@ -121,14 +127,51 @@ def gpt_oss_config(case: str = "go", **overrides):
   kw.setdefault("eos_token_id", [2, 3])
   rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
           "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
-  return GptOssConfig(rope_parameters=rope, attn_implementation="eager", **kw)
+  return GptOssConfig(rope_parameters=rope, attn_implementation="eager", **kw)  # pyright: ignore[reportCallIssue]
+
+
+# DeepSeek-V3 parity cases (multi-head latent attention, sigmoid grouped routing, shared
+# experts). Both: topk_group < n_group, routed_scaling_factor != 1, one shared expert, layer 0
+# dense, YaRN with mscale != mscale_all_dim != 0 over 32 original positions (prompts of 5-16
+# tokens + 20 generated cross it). "ds": q_lora_rank set, 12 experts in 4 groups of 3 (2 groups
+# open), top-4, hub layout, one file. "ml" (as Moonlight: q_lora_rank null): 32 experts in 8
+# groups of 4 (3 open), top-6, fused expert layout in shards.
+DEEPSEEK_CASES = {
+    "ds": dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=24,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               n_shared_experts=1, n_routed_experts=12, num_experts_per_tok=4, n_group=4,
+               topk_group=2, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=40,
+               qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=20, routed_scaling_factor=2.5,
+               norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=128,
+               initializer_range=0.15),
+    "ml": dict(vocab_size=300, hidden_size=64, intermediate_size=80, moe_intermediate_size=16,
+               num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+               n_shared_experts=1, n_routed_experts=32, num_experts_per_tok=6, n_group=8,
+               topk_group=3, first_k_dense_replace=1, kv_lora_rank=24, q_lora_rank=None,
+               qk_rope_head_dim=16, qk_nope_head_dim=8, v_head_dim=12,
+               routed_scaling_factor=2.827, norm_topk_prob=True, rms_norm_eps=1e-5,
+               max_position_embeddings=128, initializer_range=0.15),
+}
+DEEPSEEK_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+                 "mscale_all_dim": 0.9, "original_max_position_embeddings": 32,
+                 "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def deepseek_config(case: str = "ds", **overrides):
+  from transformers import DeepseekV3Config
+
+  kw = dict(DEEPSEEK_CASES[case])
+  kw.update(overrides)
+  kw.setdefault("bos_token_id", 1)
+  kw.setdefault("eos_token_id", 2)
+  return DeepseekV3Config(rope_parameters=dict(DEEPSEEK_ROPE), attn_implementation="eager", **kw)  # pyright: ignore[reportCallIssue]
 
 
 def save(model, path: str, *, fused: bool = False, max_shard_size: str | None = None) -> str:
   """save_pretrained. fused=False: hub layout (block_sparse_moe.experts.N.w1/w2/w3, the 5.x
   default, converted back on save); fused=True: the in-memory layout (mlp.experts.gate_up_proj /
   down_proj). max_shard_size splits into several files with model.safetensors.index.json."""
-  kw = {"save_original_format": not fused}
+  kw: dict[str, Any] = {"save_original_format": not fused}
   if max_shard_size:
     kw["max_shard_size"] = max_shard_size
   model.save_pretrained(path, **kw)

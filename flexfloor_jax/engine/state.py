@@ -145,12 +145,15 @@ def state_shapes(spec, n: int) -> DecodeState:
   cfg, nb = spec.cfg, n * spec.slots_per_worker
   lay = tfm.kv_layout(cfg, spec.max_seq_len)
   nf, dt = len(lay.full_layers), tfm.dtype_of(cfg)
+  heads, kd, vd = cfg.kv_dims()  # MLA: k holds the latent, v the RoPE key (other widths)
   if getattr(spec, "kv", "slots") == "paged":
-    pages = jax.ShapeDtypeStruct((nf, cfg.num_kv_heads, n * spec.num_pages, spec.page_size,
-                                  cfg.head_dim), dt)
-    kv, kv_fields = None, dict(k_pages=pages, v_pages=pages)
+    page_shape = (nf, heads, n * spec.num_pages, spec.page_size)
+    kv_fields = dict(k_pages=jax.ShapeDtypeStruct(page_shape + (kd,), dt),
+                     v_pages=jax.ShapeDtypeStruct(page_shape + (vd,), dt))
+    k = v = None
   else:
-    kv = jax.ShapeDtypeStruct((nf, nb, spec.max_seq_len, cfg.num_kv_heads, cfg.head_dim), dt)
+    k = jax.ShapeDtypeStruct((nf, nb, spec.max_seq_len, heads, kd), dt)
+    v = jax.ShapeDtypeStruct((nf, nb, spec.max_seq_len, heads, vd), dt)
     kv_fields = {}
   if lay.ring_layers:
     ring = jax.ShapeDtypeStruct((len(lay.ring_layers), nb, lay.ring_len, cfg.num_kv_heads,
@@ -158,7 +161,7 @@ def state_shapes(spec, n: int) -> DecodeState:
     kv_fields.update(k_ring=ring, v_ring=ring)
   # ShapeDtypeStructs in the fields that hold arrays in the concrete state
   fields: dict[str, Any] = dict(
-      k=kv, v=kv, **kv_fields,
+      k=k, v=v, **kv_fields,
       scalars=jax.ShapeDtypeStruct((nb, len(SCALAR_COLS)), jnp.int32),
       out_tokens=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.int32),
       out_logprobs=jax.ShapeDtypeStruct((nb, spec.max_new_tokens), jnp.float32),

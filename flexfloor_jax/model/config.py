@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import numbers
 from typing import Any
 
 from flexfloor_jax.model import param_count
 
-ROUTERS = ("softmax_topk", "topk_softmax")
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid_grouped")
 EXPERT_ACTS = ("swiglu", "clamped_swiglu")
 
 
@@ -67,6 +68,27 @@ class ModelConfig:
   yarn_beta_fast: float = 32.0
   yarn_beta_slow: float = 1.0
   yarn_truncate: bool = True
+  # YaRN's DeepSeek attention scales (0: unset): cos/sin scaled by
+  # mscale(factor, yarn_mscale) / mscale(factor, yarn_mscale_all_dim) when both are set (else the
+  # paper's mscale(factor)), and MLA's softmax scale by mscale(factor, yarn_mscale_all_dim)^2
+  yarn_mscale: float = 0.0
+  yarn_mscale_all_dim: float = 0.0
+  # Multi-head latent attention (DeepSeek-V3) when kv_lora_rank > 0: q through a rank
+  # q_lora_rank projection (0: one dense projection), keys and values from a shared latent of
+  # kv_lora_rank values plus one RoPE key of head_dim (qk_rope_head_dim) values per token, which
+  # is what the cache holds; q/k heads of qk_nope_head_dim + head_dim, v heads of v_head_dim.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  v_head_dim: int = 0
+  # router='sigmoid_grouped' (DeepSeek-V3): experts in n_group groups, the topk_group best
+  # groups (by their two best biased scores) open, the chosen weights multiplied by
+  # routed_scaling_factor
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  # a dense SwiGLU of this width that every token of an MoE layer also runs (0: none)
+  shared_intermediate_size: int = 0
 
   def __post_init__(self):
     # JSON (orbax's model_config.json) gives lists: tuples keep the config hashable.
@@ -74,8 +96,9 @@ class ModelConfig:
       object.__setattr__(self, f, tuple(int(x) for x in getattr(self, f)))
     for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "num_experts", "top_k"):
-      if getattr(self, f) <= 0:
-        raise ValueError(f"model.{f} must be > 0, got {getattr(self, f)}")
+      v = getattr(self, f)
+      if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:  # null, a string
+        raise ValueError(f"model.{f} must be an integer > 0, got {v!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads})")
@@ -97,6 +120,47 @@ class ModelConfig:
       raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
     if self.expert_act not in EXPERT_ACTS:
       raise ValueError(f"expert_act must be one of {EXPERT_ACTS}, got {self.expert_act!r}")
+    for f in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim",
+              "shared_intermediate_size"):
+      if getattr(self, f) < 0:
+        raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
+    if self.mla:
+      if self.v_head_dim <= 0 or self.qk_nope_head_dim <= 0:
+        raise ValueError("multi-head latent attention (kv_lora_rank > 0) needs qk_nope_head_dim "
+                         f"and v_head_dim > 0, got {self.qk_nope_head_dim}, {self.v_head_dim}")
+      if self.sliding_window or self.attn_bias or self.attn_sinks or self.qk_norm:
+        raise ValueError("multi-head latent attention takes no sliding window, attention "
+                         "biases, sinks or q/k norms")
+    if self.head_dim % 2:
+      raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+    if self.router == "sigmoid_grouped":
+      if self.n_group < 1 or self.num_experts % self.n_group:
+        raise ValueError(f"n_group ({self.n_group}) must divide num_experts "
+                         f"({self.num_experts})")
+      if self.num_experts // self.n_group < 2:
+        raise ValueError(f"n_group ({self.n_group}) leaves fewer than 2 experts per group: a "
+                         "group is scored by its two best experts")
+      if not 1 <= self.topk_group <= self.n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={self.n_group}], got "
+                         f"{self.topk_group}")
+      if self.top_k > self.topk_group * (self.num_experts // self.n_group):
+        raise ValueError(f"top_k ({self.top_k}) must be <= the experts of topk_group "
+                         f"({self.topk_group}) groups of {self.num_experts // self.n_group}")
+      if not self.routed_scaling_factor > 0:
+        raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+
+  @property
+  def mla(self) -> bool:
+    """Multi-head latent attention (kv_lora_rank > 0) instead of GQA."""
+    return self.kv_lora_rank > 0
+
+  def kv_dims(self) -> tuple[int, int, int]:
+    """(heads, k values, v values) of one cached token of one layer: GQA's K and V heads of
+    head_dim; MLA's one 'head' of the latent (kv_lora_rank, in k) and the RoPE key (head_dim, in
+    v)."""
+    if self.mla:
+      return 1, self.kv_lora_rank, self.head_dim
+    return self.num_kv_heads, self.head_dim, self.head_dim
 
   def window_of(self, layer: int) -> int | None:
     """The sliding window layer `layer` reads (None: every position)."""
@@ -117,21 +181,37 @@ class ModelConfig:
     untied lm_head). With dense layers that is more than the checkpoint's: the layer stacks keep
     one shape, so expert and dense weights exist on every layer (zero where unused)."""
     e = self.num_experts
-    return (param_count.nonexpert_params(self.vocab_size, self.hidden_size, self.num_layers,
-                                       self.num_heads, self.num_kv_heads, self.head_dim, e,
-                                       qk_norm=self.qk_norm, attn_bias=self.attn_bias,
-                                       sinks=self.attn_sinks, router_bias=self.router_bias,
-                                       dense_ffn=self.dense_intermediate_size
-                                       if self.dense_layers else 0)
+    return (self.nonexpert_param_count()
             + e * param_count.expert_params(self.hidden_size, self.intermediate_size,
                                           self.num_layers, bias=self.expert_bias))
+
+  def mla_attn_params(self) -> int:
+    """One layer's MLA projections and norms (0 for GQA)."""
+    if not self.mla:
+      return 0
+    return param_count.mla_attn_params(self.hidden_size, self.num_heads, self.q_lora_rank,
+                                       self.kv_lora_rank, self.qk_nope_head_dim, self.head_dim,
+                                       self.v_head_dim)
+
+  def nonexpert_param_count(self) -> int:
+    """Every weight but the routed experts' (replicated on each worker)."""
+    return param_count.nonexpert_params(
+        self.vocab_size, self.hidden_size, self.num_layers, self.num_heads, self.num_kv_heads,
+        self.head_dim, self.num_experts, qk_norm=self.qk_norm, attn_bias=self.attn_bias,
+        sinks=self.attn_sinks, router_bias=self.router_bias,
+        dense_ffn=self.dense_intermediate_size if self.dense_layers else 0,
+        dense_count=len(self.dense_layers), mla_attn=self.mla_attn_params(),
+        shared_ffn=self.shared_intermediate_size,
+        router_correction=self.router == "sigmoid_grouped")
 
 
 _BLOCK_FIELDS = ("family", "qk_norm", "norm_topk_prob", "dense_layers", "dense_intermediate_size",
                  "extra_eos_ids", "sliding_layers", "attn_bias", "attn_sinks", "router",
                  "router_bias", "expert_act", "expert_bias", "swiglu_limit", "swiglu_alpha",
                  "yarn_factor", "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow",
-                 "yarn_truncate")
+                 "yarn_truncate", "yarn_mscale", "yarn_mscale_all_dim", "kv_lora_rank",
+                 "q_lora_rank", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group",
+                 "routed_scaling_factor", "shared_intermediate_size")
 
 
 def model_identity(cfg: ModelConfig) -> str:
@@ -197,6 +277,15 @@ _GPT_OSS: dict[str, Any] = dict(
     swiglu_limit=7.0, swiglu_alpha=1.702, yarn_factor=32.0, yarn_original_max_position=4096,
     yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_truncate=False)
 
+# DeepSeek-V3's block choices (deepseek-ai/DeepSeek-V3 config.json: sigmoid routing with the
+# correction bias, renormalised; YaRN factor 40 over 4096 positions, mscale and mscale_all_dim 1),
+# shared by its presets; Moonlight and Kimi-K2 replace what differs.
+_DEEPSEEK: dict[str, Any] = dict(
+    family="deepseek_v3", router="sigmoid_grouped", norm_topk_prob=True, rope_theta=10000.0,
+    rms_eps=1e-6, yarn_factor=40.0, yarn_original_max_position=4096, yarn_beta_fast=32.0,
+    yarn_beta_slow=1.0, yarn_truncate=True, yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+    qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512)
+
 PRESETS = {
     # The Mixtral architecture at a size that runs in seconds on a laptop CPU.
     "tiny": ModelConfig(vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=256,
@@ -259,4 +348,47 @@ PRESETS = {
                                 sliding_window=128, sliding_layers=tuple(range(0, 36, 2)),
                                 max_position_embeddings=131072, eos_id=200002, bos_id=-1,
                                 extra_eos_ids=(199999, 200012), dtype="bfloat16"),
+    # DeepSeek-V3 at laptop size: MLA (q through rank 48, a latent of 64 + a RoPE key of 16 per
+    # token), 16 experts in 4 groups (2 open), top-4, scaled by 2.5, one shared expert, layer 0
+    # dense, YaRN as published.
+    "deepseek-v3-tiny": ModelConfig(**{**_DEEPSEEK, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                                       "kv_lora_rank": 64},
+                                    vocab_size=BYTE_VOCAB, hidden_size=128, intermediate_size=64,
+                                    num_layers=4, num_heads=4, num_kv_heads=4, head_dim=16,
+                                    num_experts=16, top_k=4, q_lora_rank=48, n_group=4,
+                                    topk_group=2, routed_scaling_factor=2.5,
+                                    shared_intermediate_size=64, dense_layers=(0,),
+                                    dense_intermediate_size=192, max_position_embeddings=4096,
+                                    eos_id=258, bos_id=257),
+    # Published DeepSeek-family dimensions (config.json of deepseek-ai/DeepSeek-V3,
+    # moonshotai/Moonlight-16B-A3B, moonshotai/Kimi-K2-Instruct; their multi-token prediction
+    # layers are not loaded). The V3 and Kimi-K2 weights are published in block FP8, dequantized
+    # on load: these presets are the models in bfloat16.
+    "deepseek-v3": ModelConfig(**_DEEPSEEK, vocab_size=129280, hidden_size=7168,
+                               intermediate_size=2048, num_layers=61, num_heads=128,
+                               num_kv_heads=128, head_dim=64, num_experts=256, top_k=8,
+                               q_lora_rank=1536, n_group=8, topk_group=4,
+                               routed_scaling_factor=2.5, shared_intermediate_size=2048,
+                               dense_layers=(0, 1, 2), dense_intermediate_size=18432,
+                               max_position_embeddings=163840, eos_id=1, bos_id=0,
+                               dtype="bfloat16"),
+    "moonlight-16b-a3b": ModelConfig(**{**_DEEPSEEK, "rope_theta": 50000.0, "rms_eps": 1e-5,
+                                        "yarn_factor": 0.0, "yarn_mscale": 0.0,
+                                        "yarn_mscale_all_dim": 0.0},
+                                     vocab_size=163840, hidden_size=2048, intermediate_size=1408,
+                                     num_layers=27, num_heads=16, num_kv_heads=16, head_dim=64,
+                                     num_experts=64, top_k=6, q_lora_rank=0, n_group=1,
+                                     topk_group=1, routed_scaling_factor=2.446,
+                                     shared_intermediate_size=2 * 1408, dense_layers=(0,),
+                                     dense_intermediate_size=11264, max_position_embeddings=8192,
+                                     eos_id=163585, bos_id=163584, dtype="bfloat16"),
+    "kimi-k2": ModelConfig(**{**_DEEPSEEK, "rope_theta": 50000.0, "yarn_factor": 32.0,
+                              "yarn_beta_fast": 1.0},
+                           vocab_size=163840, hidden_size=7168, intermediate_size=2048,
+                           num_layers=61, num_heads=64, num_kv_heads=64, head_dim=64,
+                           num_experts=384, top_k=8, q_lora_rank=1536, n_group=1, topk_group=1,
+                           routed_scaling_factor=2.827, shared_intermediate_size=2048,
+                           dense_layers=(0,), dense_intermediate_size=18432,
+                           max_position_embeddings=131072, eos_id=163585, bos_id=163584,
+                           dtype="bfloat16"),
 }

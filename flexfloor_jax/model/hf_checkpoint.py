@@ -12,8 +12,10 @@ shape and where it lands (its key layouts: the family modules' docstrings). HF m
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
+import struct
 from typing import Any
 
 import jax
@@ -31,7 +33,7 @@ from flexfloor_jax.model.checkpoint_format import (
   read_json,
 )
 from flexfloor_jax.model.config import ModelConfig
-from flexfloor_jax.model.families.base import TOP_LEVEL, dequantize_mxfp4
+from flexfloor_jax.model.families.base import TOP_LEVEL, dequantize_fp8_block, dequantize_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; 
 # An integer or fp8 tensor under a parameter's name would cast to garbage (quantized weights
 # need their scales), so it is refused.
 _FLOAT_TENSOR_DTYPES = ("F64", "F32", "F16", "BF16")
+# dtypes of a quantized weight's codes and scales, by Weight.quant
+_QUANT_DTYPES = {"mxfp4": ("U8", "U8"), "fp8": ("F8_E4M3", "F32")}
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -145,10 +149,10 @@ def _validate(path: str) -> tuple[ModelConfig, dict, dict[str, _Entry], list[fam
   tied = bool(hf.get("tie_word_embeddings", False))
   weights = _weights(cfg, inv, tied)
   exp = {w.key: w.shape for w in weights}
-  # quantized tensors: the codes and their scales are unsigned bytes, not cast but decoded
-  packed = {w.key for w in weights if w.quant}
-  exp.update({w.scales_key: w.shape[:-1] for w in weights if w.quant})
-  packed |= {w.scales_key for w in weights if w.quant}
+  # quantized tensors: the codes and their scales are not cast but decoded
+  packed = {w.key: _QUANT_DTYPES[w.quant][0] for w in weights if w.quant}
+  exp.update({w.scales_key: w.scales_shape for w in weights if w.quant})
+  packed.update({w.scales_key: _QUANT_DTYPES[w.quant][1] for w in weights if w.quant})
   files = sorted({ent.file for ent in inv.values()})
   if os.path.exists(os.path.join(path, INDEX_FILE)):
     where = os.path.join(path, INDEX_FILE)
@@ -162,20 +166,35 @@ def _validate(path: str) -> tuple[ModelConfig, dict, dict[str, _Entry], list[fam
       raise CheckpointError(f"{inv[key].file}: key '{key}' has shape {inv[key].shape}, expected "
                             f"{shape} from {os.path.join(path, CONFIG_FILE)}")
     if key in packed:
-      if inv[key].dtype != "U8":
-        raise CheckpointError(f"{inv[key].file}: key '{key}' has dtype {inv[key].dtype}; MXFP4 "
-                              "blocks and scales are U8")
+      if inv[key].dtype != packed[key]:
+        raise CheckpointError(f"{inv[key].file}: key '{key}' has dtype {inv[key].dtype}; a "
+                              f"quantized weight's codes and scales here are {packed[key]}")
     elif inv[key].dtype not in _FLOAT_TENSOR_DTYPES:
       raise CheckpointError(f"{inv[key].file}: key '{key}' has dtype {inv[key].dtype}; the "
                             f"model's dtype is {cfg.dtype} ({os.path.join(path, CONFIG_FILE)}) "
                             f"and only floating-point tensors ({', '.join(_FLOAT_TENSOR_DTYPES)}) "
                             "can be cast to it")
+  family = families.FAMILIES[cfg.family]
+  skip, what = family.ignored(hf, cfg) if family.ignored else ((), "")
+  skipped = [k for k in inv if k not in exp and skip and k.startswith(skip)]
+  if skipped:
+    log.info("%s: not loading %d tensors of %s", path, len(skipped), what)
   for key, ent in inv.items():
-    if key not in exp and not key.endswith(_IGNORED_SUFFIXES):
+    if key not in exp and not key.endswith(_IGNORED_SUFFIXES) and not (skip
+                                                                       and key.startswith(skip)):
       display = families.FAMILIES[cfg.family].display
       raise CheckpointError(f"{ent.file}: unexpected key '{key}' (not part of a {display} with "
                             f"{cfg.num_layers} layers and {cfg.num_experts} experts)")
   return cfg, hf, inv, weights
+
+
+def _read_bytes(fpath: str, key: str, shape: tuple) -> np.ndarray:
+  """One one-byte-per-value tensor of a safetensors file, read from its header's offsets."""
+  with open(fpath, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    start, end = json.loads(f.read(n))[key]["data_offsets"]
+    f.seek(8 + n + start)
+    return np.frombuffer(f.read(end - start), np.uint8).reshape(shape)
 
 
 def inspect_hf(path: str) -> ModelConfig:
@@ -215,13 +234,21 @@ def load_hf(path: str, *, dtype: str | None = None, shardings: Any = None
       handles[fpath] = safe_open(fpath, framework="np").__enter__()
     return handles[fpath].get_tensor(key)
 
+  def read_raw(key: str) -> np.ndarray:
+    """A tensor's bytes as uint8 of its shape: float8 codes, which safetensors' numpy reader
+    has no dtype for."""
+    return _read_bytes(inv[key].file, key, inv[key].shape)
+
   def get(w: families.Weight) -> np.ndarray:
     """The tensor (MXFP4: dequantized) cast to the model's dtype, every value finite: a NaN
     weight would otherwise run to the end and write NaN log-probs; checked after the cast, which
     can overflow."""
     key, fpath = w.key, inv[w.key].file
     with np.errstate(over="ignore"):  # an overflow is reported below, naming the tensor
-      if w.quant:
+      if w.quant == "fp8":
+        t = dequantize_fp8_block(read_raw(key), read(w.scales_key), w.block).astype(
+            dt, copy=False)
+      elif w.quant:
         t = dequantize_mxfp4(read(key), read(w.scales_key)).astype(dt, copy=False)
       else:
         t = read(key).astype(dt, copy=False)

@@ -42,7 +42,13 @@ from flexfloor_jax.kernels.dispatch_plan import make_plan, padded_rows
 from flexfloor_jax.kernels.grouped_matmul import grouped_matmul
 from flexfloor_jax.kernels.permute import permute
 from flexfloor_jax.kernels.ragged_exchange import ragged_all_to_all
-from flexfloor_jax.model.transformer import EXPERT_BIAS_KEYS, MoEChoices, Params, glu, route
+from flexfloor_jax.model.transformer import (
+  EXPERT_BIAS_KEYS,
+  MoEChoices,
+  Params,
+  glu,
+  route_layer,
+)
 from flexfloor_jax.runtime.mesh import mesh_axis
 
 EXCHANGES = ("all_to_all", "ragged")
@@ -159,9 +165,7 @@ def exchange_capacities(cap: int, num_workers: int, factors) -> list[int]:
 def _ep_moe_chunk(x_TD, lp: Params, valid_T, expert_to_slot_E, ep: EPConfig):
   t, d = x_TD.shape
   n, s, k = ep.num_workers, ep.slots_per_worker, ep.top_k
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], k, lp.get("route"),
-                                            normalize=ep.choices.norm_topk_prob,
-                                            kind=ep.choices.router, bias_E=lp.get("router_bias"))
+  logits_TE, weights_TK, experts_TK = route_layer(x_TD, lp, k, ep.choices)
 
   # Home side: token copies to their destination workers.
   slot_R = expert_to_slot_E[experts_TK].reshape(t * k)

@@ -13,6 +13,10 @@ With M * page_size equal to a fixed-slot cache's length and the same values in t
 rings), `decode_paged` is bitwise equal to `transformer.decode` for every live row (tested): the
 default attention gathers the pages and runs the same attention math, and a ring layer runs the
 fixed-slot cache's own ring attention.
+Multi-head latent attention (DeepSeek-V3) pages its latent cache the same way: k_pages holds the
+latent [L, 1, pages, page_size, kv_lora_rank], v_pages the roped key [.., qk_rope_head_dim], and
+a decode step gathers a row's pages and runs the fixed-slot decode's absorbed attention over
+them (the paged-attention kernels are GQA's; `attention` is not used for such a model).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from flexfloor_jax.kernels.paged_attention import paged_attention_xla
+from flexfloor_jax.kernels.paged_attention import gather_pages, paged_attention_xla
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import ModelConfig
 
@@ -52,9 +56,10 @@ class PagedKVCache:
     (transformer.kv_layout) instead of pages."""
     lay = tfm.kv_layout(cfg, max_len, ring=rows > 0)
     dt = tfm.dtype_of(cfg)
-    shape = (len(lay.full_layers), cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    heads, kd, vd = cfg.kv_dims()  # MLA: the latent in k, the RoPE key in v
+    shape = (len(lay.full_layers), heads, num_pages, page_size, kd)
     if not lay.ring_layers:
-      return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+      return cls(jnp.zeros(shape, dt), jnp.zeros(shape[:-1] + (vd,), dt))
     rshape = (len(lay.ring_layers), rows, lay.ring_len, cfg.num_kv_heads, cfg.head_dim)
     return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros(rshape, dt),
                jnp.zeros(rshape, dt), ring_layers=lay.ring_layers)
@@ -106,6 +111,22 @@ def insert_paged(cache: PagedKVCache, k: jax.Array, v: jax.Array, page_table_PM:
   return PagedKVCache(ck, cv, rk, rv, ring_layers=cache.ring_layers)
 
 
+def mla_paged_attention(cfg: ModelConfig, lp: tfm.Params, q_B1HQ: jax.Array,
+                        latent_pages: jax.Array, kpe_pages: jax.Array, page_table_BM: jax.Array,
+                        lengths_B: jax.Array) -> jax.Array:
+  """One layer's MLA for a decode token per row over its pages: [B, 1, H*v]; 0 for a dead row
+  (length 0). The gathered rows have the fixed-slot cache's shape when the table spans its
+  length, and the same mask, so this is transformer.decode's attention bit for bit."""
+  b = q_B1HQ.shape[0]
+  latent_BS1R = gather_pages(latent_pages, page_table_BM)
+  kpe_BS1r = gather_pages(kpe_pages, page_table_BM)
+  s = latent_BS1R.shape[1]
+  k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+  mask_B1S = tfm.attention_mask((lengths_B - 1)[:, None], k_pos_BS, jnp.ones((b, s), bool), None)
+  out = tfm.mla_attend_absorbed(cfg, lp, q_B1HQ, latent_BS1R, kpe_BS1r, mask_B1S)
+  return jnp.where((lengths_B > 0)[:, None, None], out, jnp.zeros((), out.dtype))
+
+
 def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
                  page_table_BM: jax.Array, tokens_B: jax.Array, positions_B: jax.Array,
                  live_B: jax.Array, *, moe_fn: tfm.MoEFn | None = None,
@@ -130,11 +151,14 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
       # [B, K, hd] values: li, page and offset are advanced indices split by a slice -> leading B
       ck = ck.at[li, :, page_B, off_B].set(k[:, 0], mode="drop")
       cv = cv.at[li, :, page_B, off_B].set(v[:, 0], mode="drop")
-      # the sinks only where the model has them: the Pallas kernels take none
-      sinks = {"sinks_H": lp["sinks"]} if cfg.attn_sinks else {}
-      out_BHD = attention(q[:, 0], ck[li], cv[li], page_table_BM, lengths_B,
-                          sliding_window=tfm.layer_window(cfg, lp), **sinks)
-      x = x + tfm._attn_out(cfg, lp, out_BHD.reshape(b, 1, -1))
+      if cfg.mla:
+        out = mla_paged_attention(cfg, lp, q, ck[li], cv[li], page_table_BM, lengths_B)
+      else:
+        # the sinks only where the model has them: the Pallas kernels take none
+        sinks = {"sinks_H": lp["sinks"]} if cfg.attn_sinks else {}
+        out = attention(q[:, 0], ck[li], cv[li], page_table_BM, lengths_B,
+                        sliding_window=tfm.layer_window(cfg, lp), **sinks).reshape(b, 1, -1)
+      x = x + tfm._attn_out(cfg, lp, out)
       x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)
       return (x, ck, cv), aux
 

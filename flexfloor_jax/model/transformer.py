@@ -9,7 +9,10 @@ per-head RMSNorm of q and k before RoPE (`qk_norm`), top-k weights left unnormal
 biases, a sink logit per head and sliding windows on some layers only (`attn_bias`,
 `attn_sinks`, `sliding_layers`), a router with a bias that takes the top-k logits and a softmax
 over them (`router='topk_softmax'`), experts with biases and the clamped SwiGLU
-(`expert_act='clamped_swiglu'`), YaRN RoPE (`yarn_factor`).
+(`expert_act='clamped_swiglu'`), YaRN RoPE (`yarn_factor`); multi-head latent attention
+(`kv_lora_rank` > 0, DeepSeek-V3: below), a sigmoid router with a correction bias, grouped top-k
+and a scaling factor (`router='sigmoid_grouped'`), a shared expert every token runs
+(`shared_intermediate_size`).
 
 Params are a nested dict (layers stacked on a leading axis and run with `lax.scan`):
   embed [V, D]; final_norm [D]; lm_head [D, V]
@@ -18,11 +21,28 @@ Params are a nested dict (layers stacked on a leading axis and run with `lax.sca
           q_norm, k_norm [L, hd] (qk_norm only)
           bq [L, H*hd]; bk, bv [L, K*hd]; bo [L, D] (attn_bias); sinks [L, H] (attn_sinks)
           router_bias [L, E] (router_bias); b1, b3 [L, E, F]; b2 [L, E, D] (expert_bias)
-          dense_w1, dense_w3 [L, D, Fd]; dense_w2 [L, Fd, D] (dense_layers only: every layer
-          holds them, so that the stack keeps one shape; the MoE weights of a dense layer and
-          the dense weights of an MoE layer are never read)
+          dense_w1, dense_w3 [Ld, D, Fd]; dense_w2 [Ld, Fd, D] (dense_layers only: one entry
+          per dense layer, in layer order, passed whole to the layer scan and indexed by the
+          layer's `dense_idx`; the MoE weights of a dense layer are never read)
+          MLA (kv_lora_rank > 0) instead of wq/wk/wv: wq [L, D, H*(n+r)] or (q_lora_rank > 0)
+          wq_a [L, D, Rq], q_a_norm [L, Rq], wq_b [L, Rq, H*(n+r)]; wkv_a [L, D, Rkv+r];
+          kv_a_norm [L, Rkv]; wkv_b [L, Rkv, H*(n+v)]; wo [L, H*v, D] (n, r, v:
+          qk_nope_head_dim, head_dim (the RoPE part), v_head_dim)
+          router_correction [L, E] (router='sigmoid_grouped'); shared_w1, shared_w3 [L, D, Fs],
+          shared_w2 [L, Fs, D] (shared_intermediate_size > 0)
 Expert weights may instead be in the expert-parallel *slot* layout [L, N*S, ...] (see moe.py);
-the MoE function passed in (`moe_fn`) decides how they are read. `PARAM_AXES` names every leaf's
+the MoE function passed in (`moe_fn`) decides how they are read.
+
+Multi-head latent attention: q's heads are a nope part and a RoPE part (HF's `q_proj` or
+`q_b_proj(q_a_layernorm(q_a_proj(x)))`); keys and values come from one latent per token,
+`kv_a_layernorm` of the first kv_lora_rank outputs of `kv_a_proj_with_mqa`, and one RoPE key (its
+last head_dim outputs, roped) shared by every head. The cache keeps the latent and the roped key
+(KVCache.k and .v, one 'head' each): kv_lora_rank + head_dim values per token and layer. Prompt
+passes expand the latent into every head's keys and values through `kv_b_proj` (as transformers
+does); a decode step absorbs `kv_b_proj` into the query and the output instead (q_nope W_uk
+scores the latent directly, the attention-weighted latent goes through W_uv), so it reads the
+compact cache and never expands it: the same math in another order (fp32 agreement ~1e-6),
+fixed shapes per row, as serving engines decode MLA. `PARAM_AXES` names every leaf's
 logical axes (runtime/mesh.py maps them to mesh axes: `param_specs`); `EXPERT_KEYS` are the expert
 stacks, `EXPERT_ARRAYS` those and their biases.
 
@@ -87,7 +107,20 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "b1": ("layer", "expert", "mlp"),
     "b3": ("layer", "expert", "mlp"),
     "b2": ("layer", "expert", "embed"),
+    "wq_a": ("layer", "embed", None),
+    "q_a_norm": ("layer", None),
+    "wq_b": ("layer", None, "heads"),
+    "wkv_a": ("layer", "embed", None),
+    "kv_a_norm": ("layer", None),
+    "wkv_b": ("layer", None, "heads"),
+    "router_correction": ("layer", None),
+    "shared_w1": ("layer", "embed", "mlp"),
+    "shared_w3": ("layer", "embed", "mlp"),
+    "shared_w2": ("layer", "mlp", "embed"),
 }
+# The dense layers' MLP stacks: one entry per dense layer, not per layer (a DeepSeek-V3 has 3
+# dense layers of 61; a stack over every layer would replicate 58 unused dense MLPs).
+DENSE_KEYS = ("dense_w1", "dense_w3", "dense_w2")
 
 
 def param_logical_axes(params: Params) -> Params:
@@ -124,9 +157,13 @@ def scan_layers(fn, carry, layers: Params, *extra_xs, whole_experts: bool = True
   the whole stacks are loop-invariant operands of the scan, so every layer's backward would add
   a gradient of all layers' experts into the running total (L times the expert-gradient traffic
   of the layer's own slice)."""
+  # the dense stacks have one entry per dense layer: passed whole, indexed by 'dense_idx'
+  dense = {k: layers[k] for k in DENSE_KEYS if k in layers}
   if not whole_experts:
-    return jax.lax.scan(lambda c, xs: fn(c, *xs), carry, (layers, *extra_xs))
-  experts = {k: layers[k] for k in EXPERT_ARRAYS if k in layers}
+    rest = {k: v for k, v in layers.items() if k not in dense}
+    return jax.lax.scan(lambda c, xs: fn(c, {**xs[0], **dense}, *xs[1:]), carry,
+                        (rest, *extra_xs))
+  experts = {k: layers[k] for k in EXPERT_ARRAYS + DENSE_KEYS if k in layers}
   rest = {k: v for k, v in layers.items() if k not in experts}
   n = jax.tree.leaves(rest)[0].shape[0]
 
@@ -161,11 +198,26 @@ def _layer_shapes(cfg: ModelConfig) -> dict:
       "wo": (nl, h * hd, d), "mlp_norm": (nl, d), "router": (nl, d, e), "w1": (nl, e, d, f),
       "w3": (nl, e, d, f), "w2": (nl, e, f, d),
   }
+  if cfg.mla:
+    del shapes["wk"], shapes["wv"]
+    n, v, rq, rkv = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank, cfg.kv_lora_rank
+    if rq:
+      del shapes["wq"]
+      shapes.update(wq_a=(nl, d, rq), q_a_norm=(nl, rq), wq_b=(nl, rq, h * (n + hd)))
+    else:
+      shapes["wq"] = (nl, d, h * (n + hd))
+    shapes.update(wkv_a=(nl, d, rkv + hd), kv_a_norm=(nl, rkv), wkv_b=(nl, rkv, h * (n + v)),
+                  wo=(nl, h * v, d))
+  if cfg.router == "sigmoid_grouped":
+    shapes.update(router_correction=(nl, e))
+  if cfg.shared_intermediate_size:
+    fs = cfg.shared_intermediate_size
+    shapes.update(shared_w1=(nl, d, fs), shared_w3=(nl, d, fs), shared_w2=(nl, fs, d))
   if cfg.qk_norm:
     shapes.update(q_norm=(nl, hd), k_norm=(nl, hd))
   if cfg.dense_layers:
-    fd = cfg.dense_intermediate_size
-    shapes.update(dense_w1=(nl, d, fd), dense_w3=(nl, d, fd), dense_w2=(nl, fd, d))
+    fd, nd = cfg.dense_intermediate_size, len(cfg.dense_layers)
+    shapes.update(dense_w1=(nd, d, fd), dense_w3=(nd, d, fd), dense_w2=(nd, fd, d))
   if cfg.attn_bias:
     shapes.update(bq=(nl, h * hd), bk=(nl, k * hd), bv=(nl, k * hd), bo=(nl, d))
   if cfg.attn_sinks:
@@ -244,8 +296,16 @@ def yarn_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
   ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - low) / (high - low), 0, 1)
   keep = (1 - ramp).astype(np.float32)  # 1: extrapolate (the original frequency)
   inv_freq = (1 / (factor * pos_freqs)) * (1 - keep) + (1 / pos_freqs) * keep
-  scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+  if cfg.yarn_mscale and cfg.yarn_mscale_all_dim:  # DeepSeek's pair of scales
+    scale = yarn_mscale(factor, cfg.yarn_mscale) / yarn_mscale(factor, cfg.yarn_mscale_all_dim)
+  else:
+    scale = yarn_mscale(factor)
   return inv_freq.astype(np.float32), scale
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+  """YaRN's attention scale 0.1 mscale ln(factor) + 1 (1 without scaling)."""
+  return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float,
@@ -308,20 +368,69 @@ class MoEChoices:
   expert_act: str = "swiglu"  # ModelConfig.expert_act
   swiglu_limit: float = 7.0
   swiglu_alpha: float = 1.702
+  n_group: int = 1  # router 'sigmoid_grouped' (ModelConfig.n_group, ...)
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
 
   @classmethod
   def of(cls, cfg: ModelConfig) -> MoEChoices:
     return cls(norm_topk_prob=cfg.norm_topk_prob, router=cfg.router, expert_act=cfg.expert_act,
-               swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha)
+               swiglu_limit=cfg.swiglu_limit, swiglu_alpha=cfg.swiglu_alpha,
+               n_group=cfg.n_group, topk_group=cfg.topk_group,
+               routed_scaling_factor=cfg.routed_scaling_factor)
+
+
+def route_layer(x_TD: jax.Array, lp: Params, top_k: int, choices: MoEChoices):
+  """`route` with this layer's router weights, bias or correction bias and replayed experts
+  (`lp['route']`) as the model's block choices say."""
+  return route(x_TD, lp["router"], top_k, lp.get("route"), normalize=choices.norm_topk_prob,
+               kind=choices.router, bias_E=lp.get("router_bias"),
+               correction_E=lp.get("router_correction"), n_group=choices.n_group,
+               topk_group=choices.topk_group, scaling=choices.routed_scaling_factor)
+
+
+def _grouped_sigmoid_topk(scores_TE: jax.Array, choice_TE: jax.Array, top_k: int,
+                          n_group: int, topk_group: int) -> jax.Array:
+  """DeepSeek-V3's expert choice: each group of experts scored by the sum of its two best
+  `choice_TE` values, the topk_group best groups kept, the top_k of `choice_TE` among their
+  experts. Returns the experts [T, K]."""
+  t, e = scores_TE.shape
+  grouped = choice_TE.reshape(t, n_group, e // n_group)
+  group_TG = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+  _, groups_TK = jax.lax.top_k(group_TG, topk_group)
+  keep_TG = jnp.zeros((t, n_group), bool).at[jnp.arange(t)[:, None], groups_TK].set(True)
+  keep_TE = jnp.repeat(keep_TG, e // n_group, axis=1)
+  masked = jnp.where(keep_TE, choice_TE, -jnp.inf)
+  return jax.lax.top_k(masked, top_k)[1]
 
 
 def route(x_TD: jax.Array, router_DE: jax.Array, top_k: int, replay_TK=None, *,
-          normalize: bool = True, kind: str = "softmax_topk", bias_E: jax.Array | None = None):
+          normalize: bool = True, kind: str = "softmax_topk", bias_E: jax.Array | None = None,
+          correction_E: jax.Array | None = None, n_group: int = 1, topk_group: int = 1,
+          scaling: float = 1.0):
   """Top-k routing. kind 'softmax_topk' (HF Mixtral, Qwen3-MoE): softmax over all logits in
   fp32, top-k, renormalised when `normalize` (Qwen3's norm_topk_prob). 'topk_softmax' (GPT-OSS):
   the logits (with `bias_E`) in the input's dtype, their top-k, a softmax over those k.
+  'sigmoid_grouped' (DeepSeek-V3): fp32 logits, sigmoid scores; experts chosen by score +
+  `correction_E` with grouped top-k (n_group, topk_group), weighted by their scores without the
+  correction, normalised when `normalize` and multiplied by `scaling`.
   `replay_TK` (routing replay): use these experts instead of the top-k, weighted as the current
   router weighs them (equal to the top-k path when they coincide)."""
+  if kind == "sigmoid_grouped":
+    # the router in fp32 whatever the model's dtype, as transformers keeps it
+    logits_TE = x_TD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    if replay_TK is None:
+      choice_TE = scores_TE if correction_E is None else (
+          scores_TE + correction_E.astype(jnp.float32))
+      experts_TK = _grouped_sigmoid_topk(scores_TE, choice_TE, top_k, n_group, topk_group)
+    else:
+      experts_TK = replay_TK.astype(jnp.int32)
+    weights_TK = jnp.take_along_axis(scores_TE, experts_TK, axis=-1)
+    if normalize:
+      weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+    weights_TK = weights_TK * scaling
+    return logits_TE, weights_TK.astype(x_TD.dtype), experts_TK.astype(jnp.int32)
   if kind == "topk_softmax":
     logits_TE = x_TD @ router_DE + (0 if bias_E is None else bias_E)
     if replay_TK is None:
@@ -366,9 +475,7 @@ def expert_ffn(x_TD: jax.Array, w1_DF: jax.Array, w3_DF: jax.Array, w2_FD: jax.A
 def moe_dense_reference(x_TD: jax.Array, lp: Params, valid_T: jax.Array, *, top_k: int,
                         choices: MoEChoices = MoEChoices()):
   """Every expert on every token, weighted by the router: exact and simple, E times the work."""
-  logits_TE, weights_TK, experts_TK = route(x_TD, lp["router"], top_k, lp.get("route"),
-                                            normalize=choices.norm_topk_prob,
-                                            kind=choices.router, bias_E=lp.get("router_bias"))
+  logits_TE, weights_TK, experts_TK = route_layer(x_TD, lp, top_k, choices)
   e = lp["router"].shape[-1]
   weights = layer_experts(lp)
   y_ETD = jax.vmap(lambda *w: expert_ffn(x_TD, *w, choices=choices))(*weights)
@@ -387,9 +494,97 @@ def default_moe_fn(cfg: ModelConfig) -> MoEFn:
   return lambda x, lp, valid: moe_dense_reference(x, lp, valid, top_k=cfg.top_k, choices=choices)
 
 
+# transformers' q_a_layernorm and kv_a_layernorm take RMSNorm's default eps, not rms_norm_eps
+MLA_NORM_EPS = 1e-6
+
+
+def _mla_qkv(cfg: ModelConfig, lp: Params, h_BTD: jax.Array, pos_BT: jax.Array):
+  """MLA's query [B, T, H, n + r] (nope part, then the roped part), latent [B, T, 1, Rkv] and
+  roped key [B, T, 1, r]: what a token contributes to attention and to the cache."""
+  b, t, _ = h_BTD.shape
+  n, r, rkv = cfg.qk_nope_head_dim, cfg.head_dim, cfg.kv_lora_rank
+  if cfg.q_lora_rank:
+    q = rms_norm(h_BTD @ lp["wq_a"], lp["q_a_norm"], MLA_NORM_EPS) @ lp["wq_b"]
+  else:
+    q = h_BTD @ lp["wq"]
+  q = q.reshape(b, t, cfg.num_heads, n + r)
+  kv = h_BTD @ lp["wkv_a"]
+  latent = rms_norm(kv[..., :rkv], lp["kv_a_norm"], MLA_NORM_EPS)[:, :, None]
+  k_pe = kv[..., None, rkv:]
+  yarn = yarn_frequencies(cfg) if cfg.yarn_factor else None
+  q = jnp.concatenate([q[..., :n], rope(q[..., n:], pos_BT, cfg.rope_theta, yarn)], axis=-1)
+  return q, latent, rope(k_pe, pos_BT, cfg.rope_theta, yarn)
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+  """1/sqrt(q/k head dim), times YaRN's mscale(factor, mscale_all_dim)^2 (transformers'
+  yarn_apply_mscale)."""
+  scale = (cfg.qk_nope_head_dim + cfg.head_dim) ** -0.5
+  if cfg.yarn_factor and cfg.yarn_mscale_all_dim:
+    scale *= yarn_mscale(cfg.yarn_factor, cfg.yarn_mscale_all_dim) ** 2
+  return scale
+
+
+def _mla_softmax(scores_BHTS: jax.Array, mask_BTS: jax.Array, dtype) -> jax.Array:
+  scores = jnp.where(mask_BTS[:, None], scores_BHTS.astype(jnp.float32), _NEG_INF)
+  return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
+def mla_attend_expanded(cfg: ModelConfig, lp: Params, q_BTHQ: jax.Array, latent_BS1R: jax.Array,
+                        kpe_BS1r: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+  """MLA over a prompt: the latent expanded through kv_b_proj into every head's nope keys and
+  values (transformers' order of operations). Returns [B, T, H*v]."""
+  b, t, h, _ = q_BTHQ.shape
+  n, v = cfg.qk_nope_head_dim, cfg.v_head_dim
+  s = latent_BS1R.shape[1]
+  kv_BSHX = (latent_BS1R[:, :, 0] @ lp["wkv_b"]).reshape(b, s, h, n + v)
+  k_BSHQ = jnp.concatenate(
+      [kv_BSHX[..., :n], jnp.broadcast_to(kpe_BS1r, (b, s, h, kpe_BS1r.shape[-1]))], axis=-1)
+  scores = jnp.einsum("bthq,bshq->bhts", q_BTHQ, k_BSHQ) * mla_softmax_scale(cfg)
+  probs = _mla_softmax(scores, mask_BTS, kv_BSHX.dtype)
+  out = jnp.einsum("bhts,bshv->bthv", probs, kv_BSHX[..., n:])
+  return out.reshape(b, t, h * v)
+
+
+def mla_attend_absorbed(cfg: ModelConfig, lp: Params, q_BTHQ: jax.Array, latent_BS1R: jax.Array,
+                        kpe_BS1r: jax.Array, mask_BTS: jax.Array) -> jax.Array:
+  """MLA over the latent cache with kv_b_proj absorbed: q_nope W_uk is a query in latent space
+  (scores = that . latent + q_pe . k_pe), and the probability-weighted latent goes through W_uv.
+  Reads kv_lora_rank + r values per cached token instead of H x (n + r + v); the same scores and
+  output as `mla_attend_expanded` up to rounding. Returns [B, T, H*v]."""
+  b, t, h, _ = q_BTHQ.shape
+  n, v, rkv = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+  w_RHX = lp["wkv_b"].reshape(rkv, h, n + v)
+  q_lat = jnp.einsum("bthn,rhn->bthr", q_BTHQ[..., :n], w_RHX[..., :n])
+  scores = (jnp.einsum("bthr,bsr->bhts", q_lat, latent_BS1R[:, :, 0])
+            + jnp.einsum("bthp,bsp->bhts", q_BTHQ[..., n:], kpe_BS1r[:, :, 0]))
+  probs = _mla_softmax(scores * mla_softmax_scale(cfg), mask_BTS, latent_BS1R.dtype)
+  out_lat = jnp.einsum("bhts,bsr->bthr", probs, latent_BS1R[:, :, 0])
+  out = jnp.einsum("bthr,rhv->bthv", out_lat, w_RHX[..., n:])
+  return out.reshape(b, t, h * v)
+
+
+def self_attend(cfg: ModelConfig, lp: Params, q, k, v, mask_BTS: jax.Array) -> jax.Array:
+  """A prompt's attention over its own keys and values (_qkv's)."""
+  if cfg.mla:
+    return mla_attend_expanded(cfg, lp, q, k, v, mask_BTS)
+  return attend(q, k, v, mask_BTS, _sinks(cfg, lp))
+
+
+def cache_attend(cfg: ModelConfig, lp: Params, q, k_cache, v_cache, mask_BTS: jax.Array):
+  """A decode token's attention over one layer's cache (MLA: the latent one, absorbed)."""
+  if cfg.mla:
+    return mla_attend_absorbed(cfg, lp, q, k_cache, v_cache, mask_BTS)
+  return attend(q, k_cache, v_cache, mask_BTS, _sinks(cfg, lp))
+
+
 def _qkv(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, pos_BT: jax.Array):
+  """(q, k, v) of the layer's tokens: GQA's [B, T, heads, hd]; MLA's query, latent and roped
+  key (_mla_qkv), k and v being what the cache keeps."""
   b, t, _ = x_BTD.shape
   h = rms_norm(x_BTD, lp["attn_norm"], cfg.rms_eps)
+  if cfg.mla:
+    return _mla_qkv(cfg, lp, h, pos_BT)
   q, k, v = h @ lp["wq"], h @ lp["wk"], h @ lp["wv"]
   if cfg.attn_bias:
     q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
@@ -444,6 +639,10 @@ def _layer_xs(params: Params, cfg: ModelConfig) -> Params:
   for key, layers in (("is_dense", cfg.dense_layers), ("is_sliding", cfg.sliding_layers)):
     if layers:
       xs = {**xs, key: jnp.zeros((cfg.num_layers,), bool).at[jnp.asarray(layers)].set(True)}
+  if cfg.dense_layers:  # each layer's entry in the dense stacks (0 for an MoE layer: unread)
+    idx = np.zeros((cfg.num_layers,), np.int32)
+    idx[list(cfg.dense_layers)] = np.arange(len(cfg.dense_layers), dtype=np.int32)
+    xs = {**xs, "dense_idx": jnp.asarray(idx)}
   return xs
 
 
@@ -453,20 +652,28 @@ def _mlp(cfg: ModelConfig, lp: Params, x_BTD: jax.Array, valid_BT: jax.Array, mo
   if "route" in lp:  # routing replay: this layer's recorded experts [B, T, K]
     lp = {**lp, "route": lp["route"].reshape(b * t, -1)}
   h_TD, valid_T = h.reshape(b * t, d), valid_BT.reshape(b * t)
-  if not cfg.dense_layers:
+
+  def moe(h_TD):
     y, aux = moe_fn(h_TD, lp, valid_T)
+    if cfg.shared_intermediate_size:  # every token's shared expert, after the routed ones
+      y = y + expert_ffn(h_TD, lp["shared_w1"], lp["shared_w3"], lp["shared_w2"])
+    return y, aux
+
+  if not cfg.dense_layers:
+    y, aux = moe(h_TD)
   else:
     # One branch per layer, the same on every worker (the flag is the layer's), so the MoE's
     # exchanges run on all workers or on none. A dense layer routes nothing: its aux is zeros
     # of the MoE's shapes (no expert counted, expert 0 recorded for routing replay, unused).
     def dense(h_TD):
-      y = expert_ffn(h_TD, lp["dense_w1"], lp["dense_w3"], lp["dense_w2"])
+      i = lp["dense_idx"]
+      y = expert_ffn(h_TD, lp["dense_w1"][i], lp["dense_w3"][i], lp["dense_w2"][i])
       e = lp["router"].shape[-1]
       return y, {"router_logits": jnp.zeros((b * t, e), jnp.float32),
                  "experts": jnp.zeros((b * t, cfg.top_k), jnp.int32),
                  "expert_counts": jnp.zeros((e,), jnp.int32)}
 
-    y, aux = jax.lax.cond(lp["is_dense"], dense, lambda h_TD: moe_fn(h_TD, lp, valid_T), h_TD)
+    y, aux = jax.lax.cond(lp["is_dense"], dense, moe, h_TD)
   return x_BTD + y.reshape(b, t, d), aux
 
 
@@ -507,7 +714,7 @@ def forward(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, *,
 
   def layer(x, lp):
     q, k, v = _qkv(cfg, lp, x, pos_BT)
-    x = x + _attn_out(cfg, lp, attend(q, k, v, mask(lp), _sinks(cfg, lp)))
+    x = x + _attn_out(cfg, lp, self_attend(cfg, lp, q, k, v, mask(lp)))
     return _mlp(cfg, lp, x, valid_BT, moe_fn)
 
   layers = _layer_xs(params, cfg)
@@ -626,9 +833,10 @@ def by_layer_kind(lp: Params, has_full: bool, full_fn, ring_fn):
 @flax.struct.dataclass
 class KVCache:
   """Per-slot KV cache. k, v [num full layers, B, S, K, hd]: slot b's token at position p is at
-  [:, b, p]. k_ring, v_ring [num ring layers, B, R, K, hd] (or None): the sliding layers of
-  `ring_layers` keep position p at [:, b, p % R] (KVLayout). Without rings k, v hold every
-  layer."""
+  [:, b, p]. MLA (ModelConfig.kv_dims): k the latent [.., 1, kv_lora_rank], v the roped key
+  [.., 1, qk_rope_head_dim]. k_ring, v_ring [num ring layers, B, R, K, hd] (or None): the
+  sliding layers of `ring_layers` keep position p at [:, b, p % R] (KVLayout). Without rings
+  k, v hold every layer."""
   k: jax.Array
   v: jax.Array
   k_ring: jax.Array | None = None
@@ -640,9 +848,10 @@ class KVCache:
     """A cache of `length` positions per slot in kv_layout(cfg, length, ring)."""
     lay = kv_layout(cfg, length, ring)
     dt = dtype_of(cfg)
-    shape = (len(lay.full_layers), batch, length, cfg.num_kv_heads, cfg.head_dim)
+    heads, kd, vd = cfg.kv_dims()  # MLA: the latent in k, the RoPE key in v
+    shape = (len(lay.full_layers), batch, length, heads, kd)
     if not lay.ring_layers:
-      return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+      return cls(jnp.zeros(shape, dt), jnp.zeros(shape[:-1] + (vd,), dt))
     rshape = (len(lay.ring_layers), batch, lay.ring_len, cfg.num_kv_heads, cfg.head_dim)
     return cls(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros(rshape, dt),
                jnp.zeros(rshape, dt), ring_layers=lay.ring_layers)
@@ -665,7 +874,7 @@ def prefill(params: Params, cfg: ModelConfig, tokens_BT: jax.Array, lengths_B: j
 
   def layer(x, lp):
     q, k, v = _qkv(cfg, lp, x, pos_BT)
-    x = x + _attn_out(cfg, lp, attend(q, k, v, mask(lp), _sinks(cfg, lp)))
+    x = x + _attn_out(cfg, lp, self_attend(cfg, lp, q, k, v, mask(lp)))
     x, aux = _mlp(cfg, lp, x, valid_BT, moe_fn)
     return x, (k, v, aux)
 
@@ -720,7 +929,7 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
       q, k, v = _qkv(cfg, lp, x, pos_B1)
       ck = ck.at[li, rows, positions_B].set(k[:, 0])
       cv = cv.at[li, rows, positions_B].set(v[:, 0])
-      x = x + _attn_out(cfg, lp, attend(q, ck[li], cv[li], mask(lp), _sinks(cfg, lp)))
+      x = x + _attn_out(cfg, lp, cache_attend(cfg, lp, q, ck[li], cv[li], mask(lp)))
       x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
       return (x, ck, cv), aux
 

@@ -60,7 +60,7 @@ class RooflineCost:
     if attn_ctx is None:
       attn_ctx = ctx
     flops_w = (2.0 * tokens * m.nonexpert_read_params + 2.0 * routed * m.expert_params
-               + 4.0 * m.layers * m.heads * m.head_dim * attn_ctx)
+               + m.attn_flops_per_ctx_token * attn_ctx)
     t_w = np.maximum(bytes_w / hw.hbm_bw, flops_w / hw.peak_flops)
     if hw.step_table is not None and attn_ctx is ctx:  # decode (attn_ctx defaulted): measured
       t_w = hw.step_table.worker_seconds(m, experts_held, tokens, ctx)

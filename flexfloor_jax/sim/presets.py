@@ -3,12 +3,15 @@
 A `Model` is sized from its dimensions by `model.param_count`, the formula the engine's model
 config uses as well; the presets take their dimensions from `model.config.PRESETS` (one source).
 Its KV bytes follow the engine's cache layout (model.transformer.KVLayout): a sliding-window layer
-holds only its window's tokens of a sequence, every other layer all of them.
+holds only its window's tokens of a sequence, every other layer all of them; a multi-head latent
+attention layer (DeepSeek-V3) its latent and RoPE key (kv_lora_rank + qk_rope_head_dim values a
+token), not K and V per head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -84,20 +87,39 @@ class Model:
   # layers that read only the last `sliding_window` tokens (GPT-OSS: every other one); 0: none
   sliding_layers: int = 0
   sliding_window: int = 0
+  # DeepSeek-V3 (0 where the model has none): values a token caches per layer (kv_lora_rank +
+  # qk_rope_head_dim; 0: GQA's 2 x kv_heads x head_dim), the latent's width, one layer's MLA
+  # weights, the shared expert's width, the dense layers (no routed experts there) and their
+  # width, and a correction bias per expert
+  kv_values: int = 0
+  kv_lora_rank: int = 0
+  mla_attn_params: int = 0
+  shared_ffn: int = 0
+  dense_layers: int = 0
+  dense_ffn: int = 0
+  router_correction: bool = False
 
   @classmethod
   def from_config(cls, name: str, cfg: ModelConfig, source: str = "") -> Model:
     """The engine's model config (`model.config.ModelConfig`) as a simulator model."""
     sliding = sum(cfg.window_of(i) is not None for i in range(cfg.num_layers))
+    mla: dict[str, Any] = {}
+    if cfg.mla:
+      _, kd, vd = cfg.kv_dims()
+      mla = dict(kv_values=kd + vd, kv_lora_rank=cfg.kv_lora_rank,
+                 mla_attn_params=cfg.mla_attn_params(), shared_ffn=cfg.shared_intermediate_size,
+                 dense_layers=len(cfg.dense_layers), dense_ffn=cfg.dense_intermediate_size,
+                 router_correction=cfg.router == "sigmoid_grouped")
     return cls(name, cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_experts, cfg.top_k,
                dtype_bytes=DTYPE_BYTES.get(cfg.dtype, 4), source=source,
-               sliding_layers=sliding, sliding_window=(cfg.sliding_window or 0) if sliding else 0)
+               sliding_layers=sliding, sliding_window=(cfg.sliding_window or 0) if sliding else 0,
+               **mla)
 
   @property
   def expert_params(self) -> int:
-    """One expert, all layers (w1, w3, w2)."""
-    return param_count.expert_params(self.hidden, self.ffn, self.layers)
+    """One expert, all its MoE layers (w1, w3, w2): a dense layer has none."""
+    return param_count.expert_params(self.hidden, self.ffn, self.layers - self.dense_layers)
 
   @property
   def expert_bytes(self) -> int:
@@ -106,7 +128,10 @@ class Model:
   @property
   def nonexpert_params(self) -> int:
     return param_count.nonexpert_params(self.vocab, self.hidden, self.layers, self.heads,
-                                      self.kv_heads, self.head_dim, self.experts)
+                                      self.kv_heads, self.head_dim, self.experts,
+                                      dense_ffn=self.dense_ffn, dense_count=self.dense_layers,
+                                      mla_attn=self.mla_attn_params, shared_ffn=self.shared_ffn,
+                                      router_correction=self.router_correction)
 
   @property
   def nonexpert_bytes(self) -> int:
@@ -123,7 +148,18 @@ class Model:
     return self.nonexpert_read_params * self.dtype_bytes
 
   def _kv_layer_token_bytes(self) -> int:
-    return 2 * self.kv_heads * self.head_dim * self.dtype_bytes  # K and V of one layer, one token
+    """K and V (MLA: the latent and the RoPE key) of one layer, one token."""
+    return (self.kv_values or 2 * self.kv_heads * self.head_dim) * self.dtype_bytes
+
+  @property
+  def attn_flops_per_ctx_token(self) -> float:
+    """Decode attention FLOPs per cached token a query attends to, all layers: GQA's q.k and
+    p.v over every query head (4 x heads x head_dim a layer); MLA's absorbed form (the engine's
+    decode: model/transformer.py) scores the latent and the RoPE key and sums the latent per
+    head (heads x (4 x kv_lora_rank + 2 x qk_rope_head_dim) a layer)."""
+    if self.kv_lora_rank:
+      return float(self.layers * self.heads * (4 * self.kv_lora_rank + 2 * self.head_dim))
+    return 4.0 * self.layers * self.heads * self.head_dim
 
   @property
   def kv_bytes_per_token(self) -> int:
@@ -162,6 +198,9 @@ _PUBLISHED = {
     "qwen3-30b-a3b": ("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"),
     "gpt-oss-20b": ("gpt-oss-20b", "openai/gpt-oss-20b"),
     "gpt-oss-120b": ("gpt-oss-120b", "openai/gpt-oss-120b"),
+    "deepseek-v3": ("deepseek-v3", "deepseek-ai/DeepSeek-V3"),
+    "moonlight-16b-a3b": ("moonlight-16b-a3b", "moonshotai/Moonlight-16B-A3B"),
+    "kimi-k2": ("kimi-k2", "moonshotai/Kimi-K2-Instruct"),
 }
 MODELS = {name: Model.from_config(name, PRESETS[preset],
                                   source=f"huggingface.co/{repo}/config.json")

@@ -11,7 +11,7 @@ from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.rollout import runner
 
-FAMILY_PRESETS = ("qwen3-tiny", "gpt-oss-tiny")
+FAMILY_PRESETS = ("qwen3-tiny", "gpt-oss-tiny", "deepseek-v3-tiny")
 
 
 def _config(preset: str):

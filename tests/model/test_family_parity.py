@@ -1,12 +1,16 @@
-"""Acceptance for the Qwen3-MoE and GPT-OSS families: our loader, transformer and engine compute
-what transformers' Qwen3MoeForCausalLM and GptOssForCausalLM compute.
+"""Acceptance for the Qwen3-MoE, GPT-OSS and DeepSeek-V3 families: our loader, transformer and
+engine compute what transformers' Qwen3MoeForCausalLM, GptOssForCausalLM and
+DeepseekV3ForCausalLM compute.
 
 Tiny random fp32 checkpoints written by `save_pretrained` (tests/hf_utils.py QWEN3_CASES,
 GPT_OSS_CASES), every norm weight (q_norm and k_norm included) drawn around 1 and every bias and
 attention sink around 0, eager attention on the torch side. Qwen3-MoE: "q3" (12 experts, top-4
 renormalised, layer 1 dense, hub layout) and "q3s" (32 experts, top-8 not renormalised, layers 0
 and 2 dense, fused layout in shards). GPT-OSS: "go" (12 experts, sliding / full / sliding layers,
-YaRN, clamps that bind) and "go3" (32 experts, full then sliding, in shards). Greedy responses
+YaRN, clamps that bind) and "go3" (32 experts, full then sliding, in shards). DeepSeek-V3 (every
+correction bias random): "ds" (MLA with q_lora_rank, 12 experts in 4 groups, 2 open, top-4, a
+shared expert, layer 0 dense, YaRN with both mscales) and "ml" (as Moonlight: no q_lora_rank;
+32 experts in 8 groups, 3 open, top-6, fused layout in shards). Greedy responses
 come from the whole rollout path (runner.run: the engine's prefill and decode under expert
 parallelism) at 1, 3 and 8 workers; 12 experts on 8 workers and 32 on 3 hold their experts in
 uneven slots.
@@ -43,8 +47,10 @@ MAX_CLOSE_FRACTION = 0.02
 NEW_TOKENS = 20
 LENGTHS = np.array([16, 12, 14, 5, 9, 13])  # prompt lengths (right padding for the forward)
 PAD_T = 16
-WORKERS = {"q3": (1, 3, 8), "q3s": (1, 3), "go": (1, 3, 8), "go3": (1, 3)}
-SHARDED = ("q3s", "go3")  # saved in several files (the Qwen3 one in the fused expert layout)
+WORKERS = {"q3": (1, 3, 8), "q3s": (1, 3), "go": (1, 3, 8), "go3": (1, 3), "ds": (1, 3, 8),
+           "ml": (1, 3)}
+# saved in several files (the Qwen3 and DeepSeek ones in the fused expert layout)
+SHARDED = ("q3s", "go3", "ml")
 
 
 class Case:
@@ -52,6 +58,7 @@ class Case:
     self.name = name
     self.path = os.path.join(root, name)
     config = (hf_utils.qwen3_config(name) if name in hf_utils.QWEN3_CASES
+              else hf_utils.deepseek_config(name) if name in hf_utils.DEEPSEEK_CASES
               else hf_utils.gpt_oss_config(name))
     self.torch_model = hf_utils.build_model(config, seed=1)
     sharded = name in SHARDED
@@ -133,10 +140,9 @@ def test_config_and_layout(cases):
   assert (q3s.num_experts, q3s.top_k, q3s.norm_topk_prob, q3s.dense_layers,
           q3s.num_kv_heads) == (32, 8, False, (0, 2), 1)
   p = cases["q3"].params["layers"]
-  # the dense layer's weights are in the dense stack; its expert slots are never filled
-  assert np.abs(np.asarray(p["dense_w1"][1])).max() > 0
+  # the dense layer's weights are the dense stack's one entry; its expert slots are never filled
+  assert p["dense_w1"].shape[0] == 1 and np.abs(np.asarray(p["dense_w1"][0])).max() > 0
   assert np.abs(np.asarray(p["w1"][1])).max() == 0
-  assert np.abs(np.asarray(p["dense_w1"][0])).max() == 0
   assert os.path.exists(os.path.join(cases["q3s"].path, hf.INDEX_FILE))
   go, go3 = cases["go"].cfg, cases["go3"].cfg
   assert (go.family, go.attn_bias, go.attn_sinks, go.router, go.router_bias, go.expert_act,
@@ -146,6 +152,20 @@ def test_config_and_layout(cases):
               4, (0, 2), 32.0, 4096, False, 150000.0)
   assert (go3.num_experts, go3.sliding_layers, go3.sliding_window) == (32, (1,), 5)
   assert os.path.exists(os.path.join(cases["go3"].path, hf.INDEX_FILE))
+  ds, ml = cases["ds"].cfg, cases["ml"].cfg
+  assert (ds.family, ds.mla, ds.kv_lora_rank, ds.q_lora_rank, ds.qk_nope_head_dim, ds.head_dim,
+          ds.v_head_dim, ds.router, ds.num_experts, ds.top_k, ds.n_group, ds.topk_group,
+          ds.routed_scaling_factor, ds.shared_intermediate_size, ds.dense_layers,
+          ds.dense_intermediate_size, ds.yarn_factor, ds.yarn_mscale, ds.yarn_mscale_all_dim) == (
+              "deepseek_v3", True, 32, 40, 12, 8, 20, "sigmoid_grouped", 12, 4, 4, 2, 2.5, 24,
+              (0,), 96, 4.0, 0.707, 0.9)
+  assert (ml.q_lora_rank, ml.num_experts, ml.n_group, ml.topk_group, ml.top_k) == (0, 32, 8, 3, 6)
+  pd = cases["ds"].params["layers"]
+  # the dense stack holds the one dense layer; the correction bias is the checkpoint's
+  assert pd["dense_w1"].shape == (1, 64, 96) and np.abs(np.asarray(pd["dense_w1"][0])).max() > 0
+  assert np.abs(np.asarray(pd["router_correction"][1:])).min() > 0
+  assert "wq_a" in pd and "wq" in cases["ml"].params["layers"]
+  assert os.path.exists(os.path.join(cases["ml"].path, hf.INDEX_FILE))
 
 
 @pytest.mark.parametrize("name", list(WORKERS))
@@ -187,6 +207,18 @@ def _variants(case: Case) -> dict:
             "other router normalisation": (params, cfg.replace(
                 norm_topk_prob=not cfg.norm_topk_prob)),
             "no dense layers": (params, cfg.replace(dense_layers=(), dense_intermediate_size=0))}
+  if cfg.family == "deepseek_v3":
+    return {"no correction bias": (with_layers(
+                router_correction=jnp.zeros_like(layers["router_correction"])), cfg),
+            "no group limit": (params, cfg.replace(topk_group=cfg.n_group)),
+            "no routing scale": (params, cfg.replace(routed_scaling_factor=1.0)),
+            "other router normalisation": (params, cfg.replace(
+                norm_topk_prob=not cfg.norm_topk_prob)),
+            "no shared expert": (with_layers(shared_w2=jnp.zeros_like(layers["shared_w2"])),
+                                 cfg),
+            "no dense layers": (params, cfg.replace(dense_layers=(), dense_intermediate_size=0)),
+            "no mscale_all_dim": (params, cfg.replace(yarn_mscale_all_dim=0.0)),
+            "no YaRN": (params, cfg.replace(yarn_factor=0.0))}
   zeros = {k: jnp.zeros_like(layers[k]) for k in ("bq", "bk", "bv", "bo")}
   out = {"no sinks": (with_layers(sinks=jnp.full_like(layers["sinks"], -1e9)), cfg),
          "no attention biases": (with_layers(**zeros), cfg),
@@ -268,7 +300,7 @@ def test_stops_at_any_listed_eos(cases, tmp_path, step_caches):
   assert ended == stops  # both listed ids ended a response
 
 
-@pytest.mark.parametrize("name", ["q3", "go"])
+@pytest.mark.parametrize("name", ["q3", "go", "ds"])
 def test_rollout_logprobs_equal_training_forward(cases, name):
   """The GRPO training forward (rl/actor.py: the whole sequence through ep_moe on 4 workers, 3
   experts each; Qwen3's dense layer, GPT-OSS's windows and sinks included) gives the rollout's

@@ -20,13 +20,18 @@ from flexfloor_jax.runtime import mesh as mesh_lib
 CFG = PRESETS["tiny"].replace(num_layers=2)
 TOL = 1e-4  # ep path vs dense reference: another implementation
 # The other families' tiny presets at top-8 of 16 experts (their published k), 2 layers: Qwen3's
-# softmax router with and without renormalisation, GPT-OSS's biased top-k-then-softmax.
+# softmax router with and without renormalisation, GPT-OSS's biased top-k-then-softmax,
+# DeepSeek-V3's grouped sigmoid router (without its dense layer 0, which routes nothing and
+# reports no replayed experts).
 FAMILY_CFGS = {
     "mixtral": CFG,
     "qwen3": PRESETS["qwen3-tiny"].replace(num_layers=2, top_k=8),
     "qwen3-unnormalised": PRESETS["qwen3-tiny"].replace(num_layers=2, top_k=8,
                                                         norm_topk_prob=False),
     "gpt-oss": PRESETS["gpt-oss-tiny"].replace(num_layers=2, top_k=8, sliding_layers=(0,)),
+    # DeepSeek-V3's sigmoid router: grouped top-8 (3 of 4 groups open), correction bias, scaled
+    "deepseek": PRESETS["deepseek-v3-tiny"].replace(num_layers=2, top_k=8, topk_group=3,
+                                                    dense_layers=(), dense_intermediate_size=0),
 }
 
 

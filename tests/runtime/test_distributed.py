@@ -153,9 +153,10 @@ def test_default_release_sizes_under_load_match_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_two_processes_match_one_for_each_family(family, tmp_path):
-  """The other families' tiny presets (configs/qwen3_moe.py, configs/gpt_oss.py) on the
+  """The other families' tiny presets (configs/qwen3_moe.py, configs/gpt_oss.py,
+  configs/deepseek_v3.py: its latent cache moved with the KV rows) on the
   fixed-slot cache, flexfloor 8 -> 2 -> 1 across the host boundary: token- and log-prob-identical
   to one process, with the same releases."""
   options = [*SMALL, "--config.rollout.samples_per_prompt=4",

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from flexfloor_jax.model.checkpoint_format import CheckpointError
 from flexfloor_jax.model.config import ModelConfig
-from flexfloor_jax.model.families import gpt_oss, mixtral, qwen3_moe
+from flexfloor_jax.model.families import deepseek_v3, gpt_oss, mixtral, qwen3_moe
 from flexfloor_jax.model.families.base import Family, HFConfig, Put, Weight
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (mixtral.FAMILY, qwen3_moe.FAMILY,
-                                                          gpt_oss.FAMILY)}
+                                                          gpt_oss.FAMILY, deepseek_v3.FAMILY)}
 
 __all__ = ["FAMILIES", "Family", "Put", "Weight", "config_from_hf", "family_of"]
 

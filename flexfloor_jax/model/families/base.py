@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Collection
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from flexfloor_jax.model.checkpoint_format import DTYPES, CheckpointError
@@ -53,8 +54,17 @@ class Weight:
   # 'mxfp4': `key` holds MXFP4 blocks (uint8 [..., G, 16]: two 4-bit values a byte, 32 a block)
   # and `scales_key` their scales (uint8 [..., G]: a power of two a block, biased by 127); the
   # puts get the dequantized tensor (dequantize_mxfp4)
+  # 'fp8': `key` holds float8 e4m3 codes [out, in] and `scales_key` float32 scales, one per
+  # block of `block` (rows, cols) (DeepSeek-V3's weight_scale_inv); dequantize_fp8_block
   quant: str = ""
   scales_key: str = ""
+  block: tuple[int, int] = (128, 128)
+
+  @property
+  def scales_shape(self) -> tuple:
+    if self.quant == "fp8":
+      return tuple(-(-n // b) for n, b in zip(self.shape, self.block, strict=True))
+    return self.shape[:-1]
 
 
 # The 16 values of an FP4 (E2M1) code: sign bit, then 0, 0.5, 1, 1.5, 2, 3, 4, 6.
@@ -73,6 +83,18 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
   vals[..., 1::2] = FP4_VALUES[blocks >> 4]
   vals = np.ldexp(vals, (scales.astype(np.int32) - 127)[..., None])
   return np.ascontiguousarray(np.swapaxes(vals.reshape(e, r, g * 2 * b), 1, 2))
+
+
+def dequantize_fp8_block(codes: np.ndarray, scales: np.ndarray,
+                         block: tuple[int, int]) -> np.ndarray:
+  """float8 e4m3 codes [R, C] (as uint8) and float32 scales [ceil(R/br), ceil(C/bc)] ->
+  float32 [R, C]: each (br, bc) block times its scale (exact in float32: a 4-bit mantissa times
+  a float32)."""
+  r, c = codes.shape
+  br, bc = block
+  vals = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+  full = np.repeat(np.repeat(scales.astype(np.float32), br, axis=0), bc, axis=1)[:r, :c]
+  return vals * full
 
 
 TOP_LEVEL = ("embed", "final_norm", "lm_head")
@@ -121,11 +143,13 @@ class HFConfig:
     return v
 
 
-def common_fields(c: HFConfig, *, yarn: bool = False, quantized: tuple[str, ...] = ()) -> dict:
+def common_fields(c: HFConfig, *, yarn: bool = False, quantized: tuple[str, ...] = (),
+                  mscale: bool = False) -> dict:
   """The ModelConfig fields every decoder family's config.json spells the same way: vocabulary,
   hidden size, heads, kv heads, head_dim, layers, RoPE theta (default RoPE, or YaRN where the
-  family has it), positions, stop and start ids, dtype; checks the activation is SiLU and that
-  the weights are not quantized other than as the family's loader dequantizes (`quantized`)."""
+  family has it; `mscale`: with DeepSeek's mscale and mscale_all_dim), positions, stop and start
+  ids, dtype; checks the activation is SiLU and that the weights are not quantized other than as
+  the family's loader dequantizes (`quantized`)."""
   quant = c.hf.get("quantization_config")
   if quant:
     method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -146,7 +170,7 @@ def common_fields(c: HFConfig, *, yarn: bool = False, quantized: tuple[str, ...]
     names = " or ".join(repr(t) for t in supported)
     raise c.error(f"field 'rope_parameters.rope_type' is {rope_type!r}; only {names} RoPE is "
                   "supported")
-  scaling = _yarn_fields(c, rope) if rope_type == "yarn" else {}
+  scaling = _yarn_fields(c, rope, mscale) if rope_type == "yarn" else {}
   theta = rope.get("rope_theta", c.hf.get("rope_theta", 1e6))
   if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not math.isfinite(theta):
     raise c.error(f"field 'rope_theta' must be a finite number, got {theta!r}")
@@ -176,14 +200,21 @@ def common_fields(c: HFConfig, *, yarn: bool = False, quantized: tuple[str, ...]
       bos_id=-1 if bos is None else bos, dtype=DTYPES[dtype], **scaling)
 
 
-def _yarn_fields(c: HFConfig, rope: dict) -> dict:
-  """YaRN's parameters from rope_parameters; the attention factor is the paper's default (no
-  attention_factor, mscale or mscale_all_dim override: refused)."""
-  for name in ("attention_factor", "mscale", "mscale_all_dim"):
+def _yarn_fields(c: HFConfig, rope: dict, mscale: bool = False) -> dict:
+  """YaRN's parameters from rope_parameters; the attention factor is the paper's default, or
+  (`mscale`: DeepSeek-V3) from mscale and mscale_all_dim; other overrides are refused."""
+  for name in ("attention_factor",) if mscale else ("attention_factor", "mscale",
+                                                     "mscale_all_dim"):
     if rope.get(name) is not None:
       raise c.error(f"field 'rope_parameters.{name}' is set; only YaRN's default attention "
                     "scale is supported")
   sub = HFConfig(rope, f"{c.source} (rope_parameters)")
+  scales = {}
+  if mscale:
+    scales = dict(yarn_mscale=sub.number("mscale", 0.0) if rope.get("mscale") is not None
+                  else 0.0,
+                  yarn_mscale_all_dim=sub.number("mscale_all_dim", 0.0)
+                  if rope.get("mscale_all_dim") is not None else 0.0)
   factor = sub.number("factor")
   if factor < 1:
     raise c.error(f"field 'rope_parameters.factor' must be >= 1, got {factor}")
@@ -191,7 +222,7 @@ def _yarn_fields(c: HFConfig, rope: dict) -> dict:
               yarn_original_max_position=sub.integer("original_max_position_embeddings"),
               yarn_beta_fast=sub.number("beta_fast", 32.0),
               yarn_beta_slow=sub.number("beta_slow", 1.0),
-              yarn_truncate=sub.flag("truncate", True))
+              yarn_truncate=sub.flag("truncate", True), **scales)
 
 
 def make_config(c: HFConfig, **fields) -> ModelConfig:
@@ -280,3 +311,6 @@ class Family:
   display: str  # as error messages name the architecture
   config_from_hf: Callable[[HFConfig], ModelConfig]
   weights: Callable[[ModelConfig, Collection[str], bool], list[Weight]]
+  # (config.json, cfg) -> (key prefixes the loader skips, what they are): checkpoint parts the
+  # model does not run (DeepSeek-V3's multi-token prediction layers), logged once, not refused
+  ignored: Callable[[dict, ModelConfig], tuple[tuple[str, ...], str]] | None = None

@@ -58,13 +58,13 @@ def weights(cfg: ModelConfig, keys: Collection[str], tied: bool) -> list[base.We
     out += base.attention_weights(cfg, n)
     p = f"model.layers.{n}.mlp."
     if n in cfg.dense_layers:
-      fd = cfg.dense_intermediate_size
+      j, fd = cfg.dense_layers.index(n), cfg.dense_intermediate_size  # its dense stack entry
       out += [base.Weight(p + "gate_proj.weight", (fd, d),
-                          (base.Put("dense_w1", (n,), base.transpose),)),
+                          (base.Put("dense_w1", (j,), base.transpose),)),
               base.Weight(p + "up_proj.weight", (fd, d),
-                          (base.Put("dense_w3", (n,), base.transpose),)),
+                          (base.Put("dense_w3", (j,), base.transpose),)),
               base.Weight(p + "down_proj.weight", (d, fd),
-                          (base.Put("dense_w2", (n,), base.transpose),))]
+                          (base.Put("dense_w2", (j,), base.transpose),))]
       continue
     out += base.routed_experts(cfg, n, keys, p, ("gate_proj", "up_proj", "down_proj"))
   return out
