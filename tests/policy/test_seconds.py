@@ -324,3 +324,45 @@ def test_admission_spreads_rows_only_where_packing_costs_seconds(per_row, spread
     assert m["makespan_s"] < m_packed["makespan_s"]
   else:
     assert m["occupied_device_seconds"] == m_packed["occupied_device_seconds"]
+
+
+class KVCost:
+  """A hand step: 1 s plus 0.01 s per cached token on the worker that reads the most (decode
+  steps are bound by reading KV); decode_seconds spreads rows of `ctx` tokens evenly, the mean
+  context a policy without the rows' own lengths would price."""
+
+  name = "hand-kv"
+
+  def __init__(self, ctx: float):
+    self.ctx = ctx
+
+  def worker_step_seconds(self, rows_w, kv_w):
+    del rows_w
+    return 1.0 + 0.01 * float(max(kv_w))
+
+  def decode_seconds(self, n_active, live_seqs):
+    return 1.0 + 0.01 * self.ctx * -(-max(live_seqs, 1) // n_active)
+
+  def prefill_seconds(self, prompt_w):
+    return 1.0
+
+
+def test_release_priced_on_the_rows_own_cached_tokens():
+  """Worker 0 holds a row with 1000 cached tokens and 90 steps to go, worker 1 one with 10 and
+  95. Moving the long row onto worker 1 adds 0.1 s to a step that reading it already gates
+  (11 s -> 11.1 s): 9.5 s of makespan, inside a 5% slack of 100 steps at full width
+  (30 s), and device-seconds per token halve, so worker 0 goes. Priced at the mean context
+  (505 tokens a row) the same move would look like 6 s -> 11 s a step, 480 s of makespan, and
+  be refused."""
+  from collections import deque
+
+  from flexfloor_jax.policy.controller import State
+  seqs = {0: Seq(0, "a", 0, 990, 100, 100), 1: Seq(1, "b", 0, 5, 100, 100)}
+  st = State(seqs=seqs, active=[0, 1], slots_per_worker=2, slots=[[0, -1], [1, -1]],
+             generated={0: 10, 1: 5}, queues={0: deque(), 1: deque()}, step=10)
+  pol = release_policy.ReleasePolicy(enabled=True, floor=1, chain=[0, 1], steal=False,
+                                     predicted={0: 100.0, 1: 100.0}, cost=KVCost(505.0),
+                                     makespan_slack=0.05, predicted_makespan_steps=100.0)
+  p = pol.plan(st)
+  assert p is not None and p.new_active == [1] and p.moves == [(0, 0, 1, 1)]
+  assert pol.slack_used_s == pytest.approx(95 * 0.1)  # the 95 steps left x 0.1 s
