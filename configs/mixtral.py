@@ -2,45 +2,47 @@
 
 Presets: tiny (default; runs on a laptop CPU with emulated devices), 8x7b, 8x22b (TPU/GPU with a
 checkpoint). Override any field with --config.section.field=value.
+
+Fields this file does not set take the schema's default (flexfloor_jax/config/settings.py, where
+each field's type, bounds and doc are written): the paged KV fields, the workload, the
+scheduler's placement, slack and cost models, ...
 """
 
 import ml_collections
 
-PRESETS = ("tiny", "8x7b", "8x22b")
+from flexfloor_jax.config.settings import defaults_config
+from flexfloor_jax.model.config import PRESETS as MODEL_PRESETS
+
+# The Mixtral family's model presets (flexfloor_jax/model/config.py lists every preset)
+PRESETS = tuple(k for k, v in MODEL_PRESETS.items() if v.family == "mixtral")
 
 
 def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   preset = preset or "tiny"
   if preset not in PRESETS:
     raise ValueError(f"unknown preset {preset!r} for configs/mixtral.py; choose one of {PRESETS}")
-  c = ml_collections.ConfigDict()
+  c = defaults_config()  # every section, at the schema's defaults
   c.preset = preset
 
-  c.model = ml_collections.ConfigDict()
   c.model.checkpoint = ""  # '' = random init | Hugging Face Mixtral dir | orbax dir
   c.model.dtype = "float32" if preset == "tiny" else "bfloat16"
   # MoE kernels: 'auto' (Pallas on TPU and CUDA GPUs, XLA on CPU, where the XLA path is the fast
   # one) | 'xla' | 'pallas' (on CPU in interpret mode: a parity check, slow)
   c.model.moe_backend = "auto"
-  # Paged decode attention (rollout.kv='paged' only): 'xla' (gather the pages, then the model's
-  # attention) | 'pallas' (JAX's paged-attention kernels: Mosaic TPU, Triton on CUDA GPUs; on CPU
-  # interpreted, a parity check; no sliding window; the TPU kernel reads k/v as bfloat16)
-  c.model.attention_backend = "xla"
+  # model.attention_backend (schema default 'xla'): 'pallas' = JAX's paged-attention kernels
+  # (Mosaic TPU, Triton on CUDA GPUs; on CPU interpreted, a parity check; no sliding window; the
+  # TPU kernel reads k/v as bfloat16)
   # KV cache length (prompt + response); 0 = what the run needs: the longest prompt +
   # rollout.max_new_tokens, capped by the model's max_position_embeddings
   c.model.max_seq_len = 0
   c.model.init_seed = 0  # random init only
   c.model.init_scale = 0.1  # std of random init (large enough that logits are not flat)
-  # EP token exchange: 'auto' ('ragged' where ragged_all_to_all exists: TPU, GPU; 'all_to_all' on
-  # CPU) | 'all_to_all' (capacity tokens*top_k per destination) | 'ragged' (routed rows only)
-  c.model.exchange = "auto"
+  # model.exchange (schema default 'auto'): 'all_to_all' (capacity tokens*top_k per destination)
+  # | 'ragged' (routed rows only)
 
-  c.mesh = ml_collections.ConfigDict()
   c.mesh.num_devices = 0  # workers: 0 = all devices
   c.mesh.device_memory_gb = 0.0  # per-device budget; 0 = from the device's memory stats, else 16
-  c.mesh.cpu_devices = 8  # emulated devices when running on CPU (set before jax starts)
 
-  c.rollout = ml_collections.ConfigDict()
   c.rollout.prompts = ""  # '' = built-in prompt set | JSONL of {"id", "prompt"} or {"id", "tokens"}
   c.rollout.num_prompts = 8  # size of the built-in prompt set
   c.rollout.samples_per_prompt = 8  # GRPO group size (samples adjacent in the batch)
@@ -54,33 +56,18 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # ready the group does not shrink to it; summary.json counts the steps that held back).
   # True: compile every size and mover before the first step (reproducible: benchmarks, tests).
   c.rollout.wait_compiles = False
-  # True: compile, and wait for, only the sizes the plan expects to reach (every size down to
-  # the floor while the length history is empty); a release to another size is held (and
-  # reported). False: every size compiles in the background, none is waited for.
-  c.rollout.wait_plan_compiles = True
-  c.rollout.compile_threads = 0  # sizes compiled side by side; 0 = one per core, at most 4
-  # True: responses carry "routes", every fed token's top-k experts per layer [pos, L, K]
-  # (RL routing replay; also written to responses.jsonl)
-  c.rollout.record_routes = False
+  # rollout.wait_plan_compiles (schema default true): compile, and wait for, only the sizes the
+  # plan expects to reach (every size down to the floor while the length history is empty); a
+  # release to another size is held (and reported). False: none is waited for.
   c.rollout.output_dir = "rollout_out"
-  # KV memory: 'slots' (each decode slot a cache row of model.max_seq_len tokens) | 'paged' (a
-  # pool of pages per worker: sequences take pages as they grow, admission by memory, the
-  # youngest preempted and recomputed when a pool runs out; flexfloor_jax/policy/pages.py)
-  c.rollout.kv = "slots"
-  c.rollout.page_size = 16  # paged: tokens per page
-  c.rollout.max_seqs_per_worker = 0  # paged: concurrent sequences per worker; 0 = 2 x slots
-  c.rollout.kv_pages = 0  # paged: pages per worker; 0 = the KV bytes of the fixed-slot cache
-  c.rollout.kv_margin = 0.25  # paged: admission reserves predicted length x (1 + margin)
+  # rollout.kv (schema default 'slots'): 'paged' = a pool of pages per worker: sequences take
+  # pages as they grow, admission by memory, the youngest preempted and recomputed when a pool
+  # runs out (flexfloor_jax/policy/pages.py; rollout.page_size, max_seqs_per_worker, kv_pages,
+  # kv_margin)
 
-  # rollout.lengths='workload': synthetic long-tailed lengths (flexfloor_jax/policy/workload.py),
-  # length = clip(median * exp(sigma z_prompt + epoch_noise u + sample_noise v), 1, max_new_tokens)
-  c.workload = ml_collections.ConfigDict()
-  c.workload.sigma = 0.36  # lognormal sigma of per-prompt mean lengths
-  c.workload.median = 64.0  # median response length (tokens)
-  c.workload.epoch_noise = 0.1  # sigma of a prompt's per-epoch noise
-  c.workload.sample_noise = 0.25  # sigma of per-sample noise
+  # rollout.lengths='workload': synthetic long-tailed lengths (flexfloor_jax/policy/workload.py)
+  # from the workload section (sigma, median, epoch_noise, sample_noise: the schema's defaults)
 
-  c.sampling = ml_collections.ConfigDict()
   c.sampling.temperature = 1.0  # 0 = greedy
   c.sampling.top_p = 1.0
   c.sampling.top_k = 0  # 0 = off
@@ -90,27 +77,22 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # worker, shared queue, full width, no release: the strong baseline) | 'flexfloor'
   c.schedule = "flexfloor"
 
-  c.scheduler = ml_collections.ConfigDict()
   c.scheduler.history_path = ""  # length history file; '' = <output_dir>/history.json
   c.scheduler.compaction = True  # migrate stragglers off workers that could be released
-  # 'auto' = length-aware placement on the release chain; 'balanced' = balanced's placement and
-  # shared queue, with release (where a release rarely pays in seconds); 'static' = the
-  # baseline's placement kept (flexfloor then releases, and compacts when scheduler.compaction,
-  # but never reorders work)
-  c.scheduler.placement = "auto"
+  # scheduler.placement (schema default 'auto': length-aware placement on the release chain);
+  # 'balanced' = balanced's placement and shared queue, with release (where a release rarely
+  # pays in seconds); 'static' = the baseline's placement kept (flexfloor then releases, and
+  # compacts when scheduler.compaction, but never reorders work)
   # active-group sizes a release may leave, one compiled executable set each: '' = every size
   # down to the floor | 'pow2' | a comma list, e.g. '48,32,16' (large pods: fewer compiles)
   # tiny: 5 sizes (8, 6, 4, 2, 1) instead of 8 keep a first run's compiles short on a small CPU
   # machine, for slightly fewer tokens per device-step than every size (README, Performance)
   c.scheduler.release_sizes = "6,4,2" if preset == "tiny" else ""
-  # flexfloor's makespan may exceed the balanced schedule's predicted makespan by this fraction
-  # (placement, and with a step cost model each release), in exchange for less device time
-  c.scheduler.makespan_slack = 0.05
-  # what placement, admission and releases decide in: 'measured' (the engine's decode-step
-  # seconds per group size, kept in the history: the time-aware floor) | 'steps' (device-steps
-  # alone) | 'roofline:MODEL@HARDWARE' | 'auto' (measured on TPU/GPU; on emulated CPU devices,
-  # whose step times depend on the host's load, the roofline of scheduler.cost_model)
-  c.scheduler.step_cost = "auto"
-  # the full-size model and hardware pair this config stands for (the simulator's presets)
-  c.scheduler.cost_model = "roofline:mixtral-8x7b@h100"
+  # scheduler.makespan_slack: flexfloor's makespan may exceed the balanced schedule's
+  # predicted makespan by this fraction, in exchange for less device time.
+  # scheduler.step_cost: what placement, admission and releases decide in: 'measured' (the
+  # engine's decode-step seconds per group size, kept in the history: the time-aware floor) |
+  # 'steps' | 'roofline:MODEL@HARDWARE' | 'auto' (measured on TPU/GPU; on emulated CPU devices,
+  # whose step times depend on the host's load, the roofline of scheduler.cost_model, the
+  # full-size pair this config stands for)
   return c

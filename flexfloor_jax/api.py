@@ -92,9 +92,10 @@ class RolloutEngine:
     # One KV cache length for every call: the compiled shapes and the floor never move.
     seq_len = st.model.max_seq_len or min(r.max_prompt_len + r.max_new_tokens,
                                           model_cfg.max_position_embeddings)
-    if r.max_prompt_len + r.max_new_tokens > seq_len:
-      _fail(f"model.max_seq_len={seq_len} cannot hold rollout.max_prompt_len={r.max_prompt_len}"
-            f" + rollout.max_new_tokens={r.max_new_tokens}")
+    try:  # a prompt of the full width and its longest response fit the cache
+      settings.check_cache(r, seq_len, r.max_prompt_len)
+    except settings.ConfigError as e:
+      _fail(f"rollout.max_prompt_len: {e}")
     # wait_compiles: every mesh size is compiled before the first call's first step, so that no
     # later call (other prompts, another count) compiles
     self.settings = st.replace(model=dict(max_seq_len=seq_len), rollout=dict(wait_compiles=True))

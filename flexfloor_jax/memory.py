@@ -5,10 +5,14 @@ qwen3-30b-a3b, deepseek_v3.py for deepseek-v3), and the KV bytes per token the f
 is made of (a latent cache's for multi-head latent attention)."""
 
 import argparse
+import dataclasses
 
 import jax.numpy as jnp
 
-from flexfloor_jax.config import files
+from flexfloor_jax.config import files, schema
+from flexfloor_jax.config.cli import fail
+from flexfloor_jax.config.reader import ConfigError
+from flexfloor_jax.config.settings import MAX_DEVICE_MEMORY_GB
 from flexfloor_jax.engine.memory import kv_bytes
 from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.model.transformer import kv_layout
@@ -16,17 +20,28 @@ from flexfloor_jax.policy.floor import FloorError, expert_slots
 from flexfloor_jax.rollout import inputs
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryFlags:
+  """The command line's flags: type, default, bounds and doc of each (config/schema.py)."""
+  preset: str = schema.Choice(tuple(sorted(PRESETS)), default="8x7b", doc="model preset")
+  device_memory_gb: float = schema.Num(hi=MAX_DEVICE_MEMORY_GB, default=0.0,
+                                       doc="per-device budget, GiB (0: the preset's "
+                                       "mesh.device_memory_gb, else 16)")
+  workers: int = schema.Int(default=8, doc="workers the floor is computed for")
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one `error:` line, as every entry point's bad input
+    fail(message.replace("argument ", ""))
+
+
 def main(argv=None):
-  p = argparse.ArgumentParser(description="The memory floor of a model preset.")
-  p.add_argument("--preset", default="8x7b", choices=sorted(PRESETS))
-  p.add_argument("--device_memory_gb", type=float, default=0.0,
-                 help="per-device budget (default: the preset's mesh.device_memory_gb, else 16)")
-  p.add_argument("--workers", type=int, default=8)
-  args = p.parse_args(argv)
-  if args.workers < 1:
-    p.error(f"--workers={args.workers}: at least one worker is needed")
-  if args.device_memory_gb < 0:
-    p.error(f"--device_memory_gb={args.device_memory_gb:g}: must be >= 0 (0: the preset's)")
+  p = _Parser(description="The memory floor of a model preset.")
+  schema.add_arguments(MemoryFlags, p)
+  try:
+    args = schema.check_flags(MemoryFlags, vars(p.parse_args(argv)))
+  except ConfigError as e:
+    fail(str(e))
   # a family's config file is named after it (configs/qwen3_moe.py) and takes its presets' names
   config = files.load_config(PRESETS[args.preset].family, args.preset)
   model_cfg = PRESETS[config.preset].replace(dtype=config.model.dtype)

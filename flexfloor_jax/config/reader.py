@@ -12,8 +12,6 @@ class ConfigError(ValueError):
   """A config field with a value no run can use; the message starts with the field's name."""
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-EXCHANGES = ("auto", "all_to_all", "ragged")  # moe.EXCHANGES and 'auto' (moe.py imports jax)
 REQUIRED = object()
 
 
@@ -25,12 +23,14 @@ def one_of(values) -> str:
 class Reader:
   """Reads and checks the fields of one config section (prefix '': the top level)."""
 
-  def __init__(self, node, prefix: str, optional: bool = False):
+  def __init__(self, node, prefix: str, optional: bool = False, flag_style: bool = False):
     if node is None and not optional:
       raise ConfigError(f"{prefix}: section missing from the config")
-    self.node, self.prefix = node, prefix
+    self.node, self.prefix, self.flag_style = node, prefix, flag_style
 
   def name(self, field: str) -> str:
+    if self.flag_style:  # a command line's flags: named as the user typed them
+      return f"--{field}"
     return f"{self.prefix}.{field}" if self.prefix else field
 
   def fail(self, field: str, what: str, v) -> NoReturn:
@@ -44,10 +44,13 @@ class Reader:
       return default
     return v
 
-  def int(self, field: str, lo: int = 1, default=REQUIRED, note: str = "") -> int:
+  def int(self, field: str, lo: int = 1, default=REQUIRED, note: str = "", *,
+          hi: int | None = None) -> int:
     v = self.raw(field, default)
     if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
       self.fail(field, f"an integer >= {lo}{note}", v)
+    if hi is not None and int(v) > hi:
+      self.fail(field, f"an integer in [{lo}, {hi}]{note}", v)
     return int(v)
 
   def num(self, field: str, lo: float = 0.0, hi: float = math.inf, *, lo_open: bool = False,

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flexfloor_jax.config import schema
+from flexfloor_jax.config.settings import RolloutSettings
 from flexfloor_jax.engine.sampling import SamplingParams
 from flexfloor_jax.kernels import paged_attention as pa
 from flexfloor_jax.model import transformer as tfm
@@ -43,7 +46,7 @@ class EngineSpec:
   # KV: 'slots' (a fixed-length cache row per decode slot) | 'paged' (a pool of num_pages pages
   # of page_size tokens per worker, read and written through page tables from the host)
   kv: str = "slots"
-  page_size: int = 16
+  page_size: int = cast(int, schema.default(RolloutSettings, "page_size"))
   num_pages: int = 0  # pages per worker (paged KV)
   # paged decode attention: 'xla' (flexfloor_jax.kernels.paged_attention's reference) | 'pallas'
   # (JAX's paged-attention kernels; interpreted on CPU)

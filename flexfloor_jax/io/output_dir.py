@@ -24,6 +24,7 @@ the run starts and again at the publish): anything else under those names stops 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import logging
@@ -79,11 +80,16 @@ def check_dir(path: str, field: str = "output_dir", names: tuple[str, ...] = (),
     raise OutputDirError(f"{field} must be a non-empty path, got {path!r}")
   if os.path.exists(path) and not os.path.isdir(path):
     raise OutputDirError(f"{field}: {path} exists and is not a directory")
+  created = not os.path.exists(path)
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
     raise OutputDirError(
         f"{field}: cannot create the directory {path}: {os_error_text(e)}") from None
+  if created and not _CREATED:
+    atexit.register(_remove_created)
+  if created:
+    _CREATED.add(os.path.abspath(path))
   probe = os.path.join(path, f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   made = []
   try:
@@ -212,6 +218,15 @@ def _read_holder(fd: int) -> tuple[int | None, str, bool]:
 
 
 _HELD: set[DirLock] = set()  # the locks this process holds (release_all)
+# Output directories this process created: a run that stops before writing anything (bad input
+# found once the devices are known, an interrupt) leaves no empty directory behind
+_CREATED: set[str] = set()
+
+
+def _remove_created() -> None:
+  for path in _CREATED:
+    with contextlib.suppress(OSError):  # rmdir removes only an empty directory
+      os.rmdir(path)
 # Output directories this process locked, and whether it publishes sets there (kept_notes).
 _LOCKED: dict[str, bool] = {}
 

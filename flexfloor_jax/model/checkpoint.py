@@ -9,7 +9,9 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
+import typing
 from typing import Any
 
 import jax
@@ -52,16 +54,57 @@ def save_orbax(path: str, params: Params, cfg: ModelConfig) -> None:
     os.replace(tmp, os.path.join(path, ORBAX_CONFIG_FILE))
 
 
+def _json_type_error(value, hint) -> str | None:
+  """What is wrong with a JSON `value` for a ModelConfig field typed `hint` (None: nothing).
+  JSON's types taken strictly: a boolean is not a number, a number not a string."""
+  args = typing.get_args(hint)
+  if type(None) in args:  # Optional[...]
+    if value is None:
+      return None
+    hint = next(a for a in args if a is not type(None))
+  if hint is bool:
+    ok = isinstance(value, bool)
+  elif hint is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  elif hint is float:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value))
+  elif hint is str:
+    ok = isinstance(value, str)
+  else:  # tuple[int, ...]: a JSON list of integers
+    ok = isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                         for x in value)
+  name = getattr(hint, "__name__", None) if typing.get_origin(hint) is None else "list of ints"
+  return None if ok else f"must be {name}, got {value!r}"
+
+
 def _orbax_config(path: str) -> ModelConfig:
+  """model_config.json of an orbax directory, every field's JSON type checked, and the
+  parameters' tree listed beside it (an interrupted or foreign save has none): no array read."""
   if not _is_orbax_dir(path):
     raise CheckpointError(f"{path}: not an orbax checkpoint (needs {ORBAX_CONFIG_FILE} and "
                           f"{ORBAX_PARAMS_DIR}/)")
   cfg_path = os.path.join(path, ORBAX_CONFIG_FILE)
   raw = read_json(cfg_path)
+  if not isinstance(raw, dict):
+    raise CheckpointError(f"{cfg_path}: must hold a JSON object, got {type(raw).__name__}")
   names = {fl.name for fl in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(raw) - names)
   if unknown:
     raise CheckpointError(f"{cfg_path}: unknown field '{unknown[0]}'")
+  hints = typing.get_type_hints(ModelConfig)
+  for k, v in raw.items():
+    bad = _json_type_error(v, hints[k])
+    if bad:
+      raise CheckpointError(f"{cfg_path}: field '{k}' {bad}")
+  meta_path = os.path.join(path, ORBAX_PARAMS_DIR, "_METADATA")
+  if not os.path.isfile(meta_path):
+    raise CheckpointError(f"{os.path.join(path, ORBAX_PARAMS_DIR)}: holds no saved parameters "
+                          "(no orbax _METADATA: an interrupted or foreign save)")
+  tree = read_json(meta_path)
+  if not isinstance(tree, dict) or not isinstance(tree.get("tree_metadata"), dict) or not (
+      tree["tree_metadata"]):
+    raise CheckpointError(f"{meta_path}: lists no parameters")
   try:
     return ModelConfig(**raw)
   except (TypeError, ValueError) as e:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as _Tok
 
+from flexfloor_jax.model.checkpoint_format import CheckpointError
 from flexfloor_jax.model.config import BYTE_VOCAB
 
 
@@ -55,7 +56,11 @@ class HFTokenizer:
 
   def __init__(self, path: str, bos_id: int | None = None, eos_id: int | None = None):
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    self._tok = _Tok.from_file(file)
+    try:
+      self._tok = _Tok.from_file(file)
+    except Exception as e:  # the tokenizers library raises its own untyped errors
+      msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise CheckpointError(f"{file}: cannot read the tokenizer ({msg})") from None
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.bos_id = bos_id if bos_id is not None and bos_id >= 0 else None
     self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None

@@ -15,6 +15,7 @@ row (id, prompt, task, answer).
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from collections.abc import Callable, Iterable
 from typing import cast
@@ -125,4 +126,11 @@ def load_reward_fn(spec: str | None) -> Callable[[dict, str], float]:
     raise ValueError(f"rl.reward_fn: {spec!r}: {e}") from None
   if not callable(f):
     raise ValueError(f"rl.reward_fn: {spec!r} is not callable")
+  try:  # called as fn(prompt_row, text): a function that cannot take them fails at the first step
+    inspect.signature(f).bind({}, "")
+  except TypeError as e:
+    raise ValueError(f"rl.reward_fn: {spec!r} cannot be called as fn(prompt_row, text) ({e})"
+                     ) from None
+  except ValueError:  # a builtin without a signature: taken as it is
+    pass
   return cast(Callable[[dict, str], float], f)  # the user's: taken to be a reward function

@@ -43,6 +43,7 @@ from flexfloor_jax.rl import tasks as tasks_lib
 from flexfloor_jax.rl.checkpoints import TrainError
 from flexfloor_jax.rl.loss import group_advantages
 from flexfloor_jax.rl.reuse import ReleasedScorer, sequence_row
+from flexfloor_jax.rollout import inputs
 from flexfloor_jax.runtime import mesh as mesh_lib
 from flexfloor_jax.runtime.backend import enable_compilation_cache
 
@@ -165,6 +166,8 @@ def train(config, *, stop_after: int | None = None, progress: bool = False,
   field fails in well under a second with ConfigError)."""
   st = settings.load(config, "train")
   assert st.train is not None  # load(config, "train") reads the train section
+  # the checkpoint's inventory and tokenizer (no tensor read), as the rollout CLI checks them
+  inputs.tokenizer_for(st, inputs.model_config(st))
   try:
     output_dir.check_dir(st.train.output_dir, "output_dir")
   except output_dir.OutputDirError as e:

@@ -10,16 +10,20 @@ import dataclasses
 import os
 
 import jax
+from absl import logging
 
 from flexfloor_jax import engine as engine_lib
 from flexfloor_jax.config import settings
+from flexfloor_jax.config.schema import INT32_MAX
 from flexfloor_jax.engine import memory
 from flexfloor_jax.io import output_dir
 from flexfloor_jax.io.jsonl import iter_jsonl
 from flexfloor_jax.model import checkpoint as ckpt
 from flexfloor_jax.model.config import PRESETS, model_identity
+from flexfloor_jax.model.tokenizer import load_tokenizer
 from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.pages import pages_for
 from flexfloor_jax.rollout import kv_pool
@@ -65,21 +69,31 @@ def load_prompts(config, tokenizer, eos_or_bos: int | None) -> list[Prompt]:
   except ValueError as e:
     raise RolloutError(f"rollout.prompts: {e}") from None
   for ln, row in rows:
+    where = f"rollout.prompts: {path}:{ln}"
+    _check(isinstance(row, dict), f"{where} must be a JSON object, got {type(row).__name__}")
     _check("id" in row and ("prompt" in row or "tokens" in row),
-           f"rollout.prompts: {path}:{ln} needs \"id\" and \"prompt\" or \"tokens\"")
-    pid = str(row["id"])
-    _check(pid not in seen, f"rollout.prompts: {path}:{ln} repeats id {pid!r}")
+           f"{where} needs \"id\" and \"prompt\" or \"tokens\"")
+    # JSON types taken strictly: true is not the id 1, nor the token 1
+    rid = row["id"]
+    _check(isinstance(rid, str) or (isinstance(rid, int) and not isinstance(rid, bool)),
+           f"{where} \"id\" must be a string or an integer, got {rid!r}")
+    pid = str(rid)
+    _check(pid not in seen, f"{where} repeats id {pid!r}")
     seen.add(pid)
     if "tokens" in row:
       toks = row["tokens"]
-      _check(isinstance(toks, list) and toks and all(isinstance(t, int) for t in toks),
-             f"rollout.prompts: {path}:{ln} \"tokens\" must be a non-empty list of ints")
+      _check(isinstance(toks, list) and toks, f"{where} \"tokens\" must be a non-empty list of "
+             f"token ids, got {toks!r}")
+      bad = [t for t in toks if not isinstance(t, int) or isinstance(t, bool)
+             or not 0 <= t <= INT32_MAX]
+      _check(not bad, f"{where} \"tokens\" must be token ids (integers in [0, {INT32_MAX}]), "
+             f"got {bad[0]!r}" if bad else "")
       out.append(Prompt(pid, list(toks), None))
     else:
-      _check(tokenizer is not None, f"rollout.prompts: {path}:{ln} has text but the model has "
-             "no tokenizer (give \"tokens\")")
+      _check(tokenizer is not None, f"{where} has text but the model has no tokenizer (give "
+             "\"tokens\")")
       _check(isinstance(row["prompt"], str) and row["prompt"],
-             f"rollout.prompts: {path}:{ln} \"prompt\" must be a non-empty string")
+             f"{where} \"prompt\" must be a non-empty string, got {row['prompt']!r}")
       out.append(Prompt(pid, tokenizer.encode(row["prompt"], add_bos=True), row["prompt"]))
   _check(bool(out), f"rollout.prompts: {path} holds no prompts")
   return out
@@ -210,24 +224,70 @@ def memory_budget_bytes(config, devices) -> int:
   return 16 * 2**30  # CPU reports none: a 16 GB accelerator
 
 
+def host_available_bytes() -> int | None:
+  """The host memory available to new allocations (Linux MemAvailable; else the free pages);
+  None when the system reports neither."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def check_host_memory(terms: memory.FloorTerms, expert_slots: int, devices) -> None:
+  """Emulated CPU devices keep their arrays in the host's memory, all of them together: the
+  bytes this process's devices will hold (each: non-expert weights, its expert slots, KV and the
+  move workspace) must fit what the host has available, checked before anything is allocated."""
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  if not local or any(d.platform != "cpu" for d in local):
+    return
+  need = len(local) * terms.per_device(expert_slots)
+  have = host_available_bytes()
+  if have is not None and need > have:
+    raise RolloutError(
+        f"the {len(local)} emulated CPU devices need an estimated {need:,} bytes of host memory "
+        f"({terms.per_device(expert_slots):,} each) and {have:,} bytes are available; lower "
+        "rollout.slots_per_worker, model.max_seq_len or mesh.num_devices")
+
+
+def check_release_sizes(config, num_workers: int) -> None:
+  """scheduler.release_sizes against the group: sizes at or above it cannot be left and are
+  skipped, with one warning line naming them (a preset's list, e.g. '6,4,2', run on fewer
+  workers keeps the sizes below the group; sizes below the floor are the memory's to drop)."""
+  parsed = parse_release_sizes(config.scheduler.release_sizes)
+  if not isinstance(parsed, frozenset) or num_workers <= 1:
+    return
+  past = sorted(n for n in parsed if n >= num_workers)
+  if past:
+    logging.warning("scheduler.release_sizes: %s not below the group of %d workers, skipped",
+                    past, num_workers)
+
+
 def check_prompts(config, prompts: list[Prompt], model_cfg, seq_len: int) -> None:
-  """Every prompt fits rollout.max_prompt_len and, with rollout.max_new_tokens, the KV cache; its
-  token ids are in the vocabulary; the cache fits the model's positions."""
-  r = config.rollout
+  """Every prompt fits rollout.max_prompt_len and, with rollout.max_new_tokens, the KV cache
+  (settings.check_cache); its token ids are in the vocabulary; the cache fits the model's
+  positions."""
   for p in prompts:
-    _check(len(p.tokens) <= r.max_prompt_len, f"rollout.prompts: prompt {p.prompt_id!r} has "
-           f"{len(p.tokens)} tokens, more than rollout.max_prompt_len={r.max_prompt_len}")
-    _check(len(p.tokens) + r.max_new_tokens <= seq_len,
-           f"rollout.prompts: prompt {p.prompt_id!r} ({len(p.tokens)} tokens) + "
-           f"rollout.max_new_tokens={r.max_new_tokens} exceeds model.max_seq_len={seq_len}"
-           + ("" if config.model.max_seq_len else
-              " (the model's max_position_embeddings)"))
+    try:
+      settings.check_cache(config.rollout, seq_len, len(p.tokens))
+    except settings.ConfigError as e:
+      raise RolloutError(f"rollout.prompts: prompt {p.prompt_id!r} has {e}"
+                         + ("" if config.model.max_seq_len else
+                            " (the model's max_position_embeddings)")) from None
     bad = [t for t in p.tokens if not 0 <= t < model_cfg.vocab_size]
     _check(not bad, f"rollout.prompts: prompt {p.prompt_id!r} has token ids {bad[:4]} outside "
            f"the vocabulary of {model_cfg.vocab_size}")
-  _check(seq_len <= model_cfg.max_position_embeddings,
-         f"model.max_seq_len={seq_len} exceeds the model's "
-         f"max_position_embeddings={model_cfg.max_position_embeddings}")
+  try:
+    settings.check_cache(config.rollout, seq_len,
+                         max_position_embeddings=model_cfg.max_position_embeddings)
+  except settings.ConfigError as e:
+    raise RolloutError(str(e)) from None
 
 
 def model_config(config):
@@ -243,6 +303,32 @@ def model_config(config):
   return cfg.replace(dtype=config.model.dtype)
 
 
+def tokenizer_for(config, model_cfg):
+  """The checkpoint's tokenizer (or the byte one, or None): RolloutError naming model.checkpoint
+  when its tokenizer.json does not parse."""
+  try:
+    return load_tokenizer(config.model.checkpoint, model_cfg)
+  except ckpt.CheckpointError as e:
+    raise RolloutError(f"model.checkpoint: {e}") from None
+
+
+def check_history_path(config) -> None:
+  """scheduler.history_path usable before the run (it is written when the run is done): not a
+  directory, and its directory one or creatable."""
+  path = history_file(config)
+  if os.path.isdir(path):
+    raise RolloutError(f"scheduler.history_path: {path} is a directory")
+  parent = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(parent):
+    parent = os.path.dirname(parent)
+  if not os.path.isdir(parent):
+    raise RolloutError(f"scheduler.history_path: {path} cannot be created ({parent} is not a "
+                       "directory)")
+  if not os.access(parent, os.W_OK | os.X_OK):
+    raise RolloutError(f"scheduler.history_path: {path} cannot be written ({parent} is not "
+                       "writable)")
+
+
 def prepare_rollout(config):
   """The rollout's settings (settings.load: every field) and every other check that needs no JAX
   (rollout.output_dir included: a file, read-only or not creatable), then the length history
@@ -250,20 +336,18 @@ def prepare_rollout(config):
   without one): (settings, history). Raises settings.ConfigError or RolloutError."""
   st = settings.load(config)
   model_cfg = model_config(st)
-  r = st.rollout
-  if not st.model.max_seq_len and r.max_prompt_len > model_cfg.max_position_embeddings:
-    raise RolloutError(
-        f"rollout.max_prompt_len={r.max_prompt_len} exceeds the model's max_position_embeddings="
-        f"{model_cfg.max_position_embeddings}, the longest KV cache (model.max_seq_len) it allows")
-  if r.prompts and os.path.isfile(r.prompts):
-    # One pass over the lines (JSON, objects, valid Unicode) so that a bad line fails before jax
-    # starts; the runner checks each row's fields and lengths once the tokenizer is loaded.
-    try:
-      for _ in iter_jsonl(r.prompts):
-        pass
-    except ValueError as e:
-      raise RolloutError(f"rollout.prompts: {e}") from None
-  check_output_dir(st)
+  try:
+    settings.check_cache(st.rollout, st.model.max_seq_len,
+                         max_position_embeddings=model_cfg.max_position_embeddings)
+  except settings.ConfigError as e:
+    raise RolloutError(str(e)) from None
+  tokenizer = tokenizer_for(st, model_cfg)
+  if st.rollout.prompts:
+    # Every record checked (JSON, objects, Unicode, each field's type) before jax starts; the
+    # runner checks the lengths against the cache once it is sized
+    load_prompts(st, tokenizer, model_cfg.bos_id)
+  check_output_dir(st)  # first: the history's default place is inside it
+  check_history_path(st)
   return st, load_history(st, model_cfg)
 
 

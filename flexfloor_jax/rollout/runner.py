@@ -26,7 +26,6 @@ from flexfloor_jax.io import output_dir
 from flexfloor_jax.model import checkpoint as ckpt
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import resolve_moe_backend
-from flexfloor_jax.model.tokenizer import load_tokenizer
 from flexfloor_jax.policy import compile_plan, controller, costs, plan, prediction
 from flexfloor_jax.policy.accounting import decode_step_medians, jsonable, release_latency_ratios
 from flexfloor_jax.policy.controller import Seq
@@ -171,7 +170,7 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   if model_cfg is None:
     model_cfg = model_config(config)
   if tokenizer is None:
-    tokenizer = load_tokenizer(config.model.checkpoint, model_cfg)
+    tokenizer = inputs.tokenizer_for(config, model_cfg)
   if config.model.attention_backend == "pallas" and model_cfg.sliding_window:
     raise RolloutError(f"model.attention_backend: 'pallas' takes no sliding window (the model's "
                        f"is {model_cfg.sliding_window} tokens); use 'xla'")
@@ -198,12 +197,14 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   except kv_pool.KVPoolError as err:
     raise RolloutError(str(err)) from None
   paged = r.kv == "paged"
+  inputs.check_release_sizes(config, n)
   try:
     floor = terms.floor(e, memory_budget_bytes(config, devices), n)
   except FloorError as err:
     raise RolloutError(f"mesh.device_memory_gb: {err}") from None
   flex = config.schedule == "flexfloor"
   slots = preallocated_slots(config.schedule, e, n, floor)
+  inputs.check_host_memory(terms, slots, devices)
   allowed = release_sizes(config.scheduler.release_sizes, n, floor)  # checked by settings
 
   chain = list(range(n))

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,12 +33,27 @@ import time
 
 from absl import app, flags
 
+from flexfloor_jax.config import schema
+from flexfloor_jax.config.reader import ConfigError
+from flexfloor_jax.config.settings import MAX_CPU_DEVICES
 from flexfloor_jax.runtime import distributed
 
-_NUM = flags.DEFINE_integer("num_processes", 2, "Local processes to spawn.")
-_DEV = flags.DEFINE_integer("devices_per_process", 4, "Emulated CPU devices per process.")
-_TIMEOUT = flags.DEFINE_float("timeout", 900.0, "Seconds before all children are killed.")
-_PORT = flags.DEFINE_integer("port", 0, "Coordinator port (0 = a free one).")
+# Each process is a jax runtime of its own on this host: a few per core is already a crowd
+MAX_PROCESSES = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchFlags:
+  """The launcher's flags: type, default, bounds and doc of each (config/schema.py)."""
+  num_processes: int = schema.Int(hi=MAX_PROCESSES, default=2, doc="local processes to spawn")
+  devices_per_process: int = schema.Int(hi=MAX_CPU_DEVICES, default=4,
+                                        doc="emulated CPU devices per process")
+  timeout: float = schema.Num(lo_open=True, default=900.0,
+                              doc="seconds before all children are killed")
+  port: int = schema.Int(0, 65535, default=0, doc="coordinator port (0 = a free one)")
+
+
+schema.define_absl_flags(LaunchFlags)
 
 
 def free_port() -> int:
@@ -92,16 +109,18 @@ def _pump(stream, prefix: str, out):
 
 def launch(command: list[str], num_processes: int, devices_per_process: int = 4,
            timeout: float = 900.0, port: int = 0) -> int:
-  if not command:
-    print("error: no command given (put it after --)", file=sys.stderr)
+  if not command or not command[0]:
+    print("error: no command given to start (put it after --)", file=sys.stderr)
     return 2
-  for name, value in (("--num_processes", num_processes),
-                      ("--devices_per_process", devices_per_process)):
-    if value < 1:
-      print(f"error: {name}={value}: at least one is needed", file=sys.stderr)
-      return 2
-  if timeout <= 0:
-    print(f"error: --timeout={timeout:g}: must be positive", file=sys.stderr)
+  try:
+    schema.check_flags(LaunchFlags, dict(num_processes=num_processes,
+                                         devices_per_process=devices_per_process,
+                                         timeout=timeout, port=port))
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if shutil.which(command[0]) is None:  # else every child fails to start, after the forks
+    print(f"error: command {command[0]!r} not found (nor executable)", file=sys.stderr)
     return 2
   port = port or free_port()
   procs, pumps = [], []
@@ -215,8 +234,10 @@ def main(argv):
   cmd = list(argv[1:])
   if cmd and cmd[0] == "--":
     cmd = cmd[1:]
-  sys.exit(launch(cmd, _NUM.value, _DEV.value, _TIMEOUT.value, _PORT.value))
+  F = flags.FLAGS
+  sys.exit(launch(cmd, F.num_processes, F.devices_per_process, F.timeout, F.port))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from flexfloor_jax.config.cli import parse_flags
+  app.run(main, flags_parser=parse_flags)

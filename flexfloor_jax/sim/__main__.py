@@ -12,8 +12,11 @@ import sys
 
 from absl import app, flags
 
+from flexfloor_jax.config import schema
+from flexfloor_jax.config.cli import parse_flags
 from flexfloor_jax.sim import cli
 
 cli.define_flags()
-flags.adopt_module_key_flags(cli)  # --help lists cli's flags, as the main module's own
-app.run(lambda argv: sys.exit(cli.main(argv)))
+flags.adopt_module_key_flags(schema)  # --help lists the flags (schema.py defines them) as its own
+# parse_flags: a flag that does not parse (--epochs=x) is one `error:` line, exit status 2
+app.run(lambda argv: sys.exit(cli.main(argv)), flags_parser=parse_flags)

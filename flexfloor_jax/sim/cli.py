@@ -4,6 +4,7 @@ sim.png. `python -m flexfloor_jax.sim` (__main__.py) runs it; usage in __main__'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -12,9 +13,13 @@ import time
 import numpy as np
 from absl import flags
 
+from flexfloor_jax.config import schema
+from flexfloor_jax.config.reader import ConfigError
+from flexfloor_jax.config.schema import UINT32_MAX, Choice, Custom, Int, Num, Text
+from flexfloor_jax.config.settings import RolloutSettings
 from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.policy import workload
-from flexfloor_jax.policy.floor import FloorError
+from flexfloor_jax.policy.floor import FloorError, parse_release_sizes
 from flexfloor_jax.sim import measured_hw
 from flexfloor_jax.sim.cluster import GRPO_TRACE, simulate_cluster
 from flexfloor_jax.sim.plot import plot_cluster
@@ -102,8 +107,10 @@ def main(argv=None) -> int:
     ok = all(p["device_steps_exact"] and abs(p["wall_rel_error"]) <= 0.25
              for p in r["predictions"])
     return 0 if ok else 1
-  if F.model not in MODELS:
-    print(f"error: --model must be one of {sorted(MODELS)}, got {F.model!r}", file=sys.stderr)
+  try:
+    devs = check_flags(F)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   if F.hardware.startswith("measured:"):  # a step table of scripts/device_check.sh
     try:
@@ -117,12 +124,6 @@ def main(argv=None) -> int:
           f"{F.hardware!r}", file=sys.stderr)
     sys.exit(2)
   model, hw = MODELS[F.model], HARDWARE[F.hardware]
-  try:
-    devs = [int(x) for x in F.devices.split(",") if x.strip()]
-  except ValueError:
-    print(f"error: --devices must be a comma-separated list of ints, got {F.devices!r}",
-          file=sys.stderr)
-    sys.exit(2)
   try:
     seeds = workload.parse_seeds(F.seeds) if F.seeds.strip() else [F.seed]
   except ValueError as e:
@@ -140,10 +141,6 @@ def main(argv=None) -> int:
       except ValueError as e:
         print(f"error: --seeds: {e}", file=sys.stderr)
         sys.exit(2)
-  if not 0 < F.memory_utilization <= 1:
-    print(f"error: --memory_utilization must be in (0, 1], got {F.memory_utilization}",
-          file=sys.stderr)
-    sys.exit(2)
   t0 = time.perf_counter()
   by_seed: dict[int, list[dict]] = {}
   for seed in seeds:
@@ -216,49 +213,88 @@ def main(argv=None) -> int:
   return 0
 
 
-def define_flags():
-  flags.DEFINE_string("model", "mixtral-8x7b", f"model preset: {', '.join(MODELS)}")
-  flags.DEFINE_string("hardware", "tpu-v5p", f"hardware preset: {', '.join(HARDWARE)}")
-  flags.DEFINE_string("devices", "8,64,256,1024", "comma-separated device counts")
-  flags.DEFINE_integer("ep", 0, "EP group size (workers per group); 0 = min(devices, E, 8)")
-  flags.DEFINE_integer("slots_per_worker", workload.DEFAULT_SLOTS_PER_WORKER,
-                       "decode slots per worker")
-  flags.DEFINE_float("length_scale", 8.0, "response lengths x this (median 64, cap 256 at 1)")
-  flags.DEFINE_integer("prompt_len", 256, "prompt tokens per sequence")
-  flags.DEFINE_integer("epochs", 3, "simulate epoch epochs-1 with the history of the ones before")
-  flags.DEFINE_integer("seed", 0, "workload seed (one run; --seeds for several)")
-  flags.DEFINE_string("seeds", "", "comma list of workload seeds, e.g. 0,1,2,3,4: every figure "
-                      "the median over them with min and max; '' = --seed")
-  flags.DEFINE_enum("workload", "default", list(workload.WORKLOADS), "default: --length_scale "
-                    "x the default rollout's lengths; long_reasoning: 16 prompts x 16 samples "
-                    "per 8 devices, median 3,000 tokens, cap 16,384, prompts of 512 "
-                    "(policy/workload.py LONG_REASONING); grpo_trace: the lengths of a GRPO "
-                    "run of configs/grpo.py (real EOS), one copy of its prompts per 8 devices, "
-                    "the seed picking the epoch (0 = its last, the earlier ones the history)")
-  flags.DEFINE_integer("steps_per_dispatch", 0, "decode steps between host checks; 0 = 8 x "
-                       "length_scale (the default rollout's granularity)")
-  flags.DEFINE_string("output_dir", "sim_out", "where sim.json and sim.png go")
-  flags.DEFINE_string("release_sizes", "", "active-group sizes a release may leave inside a "
-                      "group: '' = every size | 'pow2' | a comma list (scheduler.release_sizes)")
-  flags.DEFINE_float("makespan_slack", 0.05, "flexfloor's makespan may exceed balanced's "
-                     "predicted one by this fraction (scheduler.makespan_slack)")
-  flags.DEFINE_enum("kv", "slots", ["slots", "paged"], "KV cache: 'slots' = slots_per_worker "
-                    "rows of the full length; 'paged' = a page pool of the same bytes "
-                    "(policy/pages.py): concurrency from memory")
-  flags.DEFINE_integer("page_size", 16, "--kv=paged: tokens per page")
-  flags.DEFINE_integer("max_num_seqs", 0, "--kv=paged: most sequences per worker (vLLM's "
-                       "max_num_seqs: the compiled row bound); 0 = 64 on device memory, 2 x "
-                       "slots_per_worker with --kv_memory=slots")
-  flags.DEFINE_enum("kv_memory", "device", ["device", "slots"], "--kv=paged: the pool's bytes. "
-                    "device: equal device memory, what --memory_utilization of a device leaves "
-                    "beside each schedule's own weights (FlexFloor's floor chosen on the "
-                    "roofline); slots: the fixed-slot cache's bytes for every schedule")
-  flags.DEFINE_float("memory_utilization", 0.9, "--kv=paged on device memory: the share of a "
-                     "device a run may use (vLLM's gpu_memory_utilization)")
-  flags.DEFINE_float("kv_margin", 0.0, "--kv=paged: admission reserves predicted length x "
-                     "(1 + this)")
-  flags.DEFINE_string("calibrate", "", "run records (bench_out/runs/*.json, comma-separated) of "
-                      "one workload to fit the cpu preset on")
-  flags.DEFINE_string("predict", "", "run records (comma-separated) to predict with the fitted "
-                      "cpu preset (target: device_steps exact, wall within 25%)")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimFlags:
+  """The simulator's flags: type, default, bounds and doc of each (config/schema.py)."""
+  model: str = Choice(tuple(MODELS), default="mixtral-8x7b", doc="model preset")
+  hardware: str = Custom(default="tpu-v5p", doc=f"hardware preset: {', '.join(HARDWARE)}, or "
+                         "measured:<step table of scripts/device_check.sh>")
+  devices: str = Custom(default="8,64,256,1024", doc="comma-separated device counts")
+  ep: int = Int(0, default=0, doc="EP group size (workers per group); 0 = min(devices, E, 8)")
+  slots_per_worker: int = Int(default=workload.DEFAULT_SLOTS_PER_WORKER,
+                              doc="decode slots per worker")
+  # below 1/64 the default workload's median (64 tokens x this) is under one token: every length
+  # would be 1
+  length_scale: float = Num(1 / 64, 4096.0, default=8.0,
+                            doc="response lengths x this (median 64, cap 256 at 1)")
+  prompt_len: int = Int(default=256, doc="prompt tokens per sequence")
+  epochs: int = Int(default=3, doc="simulate epoch epochs-1 with the history of the ones before")
+  seed: int = Int(0, UINT32_MAX, default=0, doc="workload seed (one run; --seeds for several)")
+  seeds: str = Custom(default="", doc="comma list of workload seeds, e.g. 0,1,2,3,4: every "
+                      "figure the median over them with min and max; '' = --seed")
+  workload: str = Choice(tuple(workload.WORKLOADS), default="default", doc="default: "
+                         "--length_scale x the default rollout's lengths; long_reasoning: 16 "
+                         "prompts x 16 samples per 8 devices, median 3,000 tokens, cap 16,384, "
+                         "prompts of 512 (policy/workload.py LONG_REASONING); grpo_trace: the "
+                         "lengths of a GRPO run of configs/grpo.py (real EOS), one copy of its "
+                         "prompts per 8 devices, the seed picking the epoch (0 = its last, the "
+                         "earlier ones the history)")
+  steps_per_dispatch: int = Int(0, default=0, doc="decode steps between host checks; 0 = 8 x "
+                                "length_scale (the default rollout's granularity)")
+  output_dir: str = Text(default="sim_out", nonempty=True, doc="where sim.json and sim.png go")
+  release_sizes: str = Custom(default="", doc="active-group sizes a release may leave inside a "
+                              "group: '' = every size | 'pow2' | a comma list "
+                              "(scheduler.release_sizes)")
+  makespan_slack: float = Num(0, 1, default=0.05, doc="flexfloor's makespan may exceed "
+                              "balanced's predicted one by this fraction "
+                              "(scheduler.makespan_slack)")
+  kv: str = Choice(schema.choices_of(RolloutSettings, "kv"), default="slots",
+                   doc="KV cache: 'slots' = slots_per_worker rows of the full length; 'paged' = "
+                   "a page pool of the same bytes (policy/pages.py): concurrency from memory")
+  page_size: int = Int(default=schema.default(RolloutSettings, "page_size"),
+                       doc="--kv=paged: tokens per page (rollout.page_size)")
+  max_num_seqs: int = Int(0, default=0, doc="--kv=paged: most sequences per worker (vLLM's "
+                          "max_num_seqs: the compiled row bound); 0 = 64 on device memory, 2 x "
+                          "slots_per_worker with --kv_memory=slots")
+  kv_memory: str = Choice(("device", "slots"), default="device", doc="--kv=paged: the pool's "
+                          "bytes. device: equal device memory, what --memory_utilization of a "
+                          "device leaves beside each schedule's own weights (FlexFloor's floor "
+                          "chosen on the roofline); slots: the fixed-slot cache's bytes for "
+                          "every schedule")
+  memory_utilization: float = Num(0, 1, lo_open=True, default=0.9, doc="--kv=paged on device "
+                                  "memory: the share of a device a run may use (vLLM's "
+                                  "gpu_memory_utilization)")
+  # the simulator's own default: its paged tables were measured without a margin
+  kv_margin: float = Num(default=0.0, doc="--kv=paged: admission reserves predicted length x "
+                         "(1 + this)")
+  calibrate: str = Text(default="", doc="run records (bench_out/runs/*.json, comma-separated) "
+                        "of one workload to fit the cpu preset on")
+  predict: str = Text(default="", doc="run records (comma-separated) to predict with the "
+                      "fitted cpu preset (target: device_steps exact, wall within 25%)")
 
+
+def check_flags(F) -> list[int]:
+  """Every flag checked before any work (schema.check_flags, then the lists and the output
+  directory): the device counts. ConfigError names the flag."""
+  schema.check_flags(SimFlags, {f.name: F[f.name].value for f in dataclasses.fields(SimFlags)})
+  try:
+    devs = [int(x) for x in F.devices.split(",") if x.strip()]
+  except ValueError:
+    devs = []
+  bad = [d for d in devs if d < 1]
+  if not devs or bad:
+    raise ConfigError(f"--devices: must be a comma list of integers >= 1, got {F.devices!r}")
+  try:
+    parse_release_sizes(F.release_sizes)
+  except ValueError as e:
+    raise ConfigError(f"--release_sizes: {e}") from None
+  out = F.output_dir
+  while out and not os.path.exists(out):
+    out = os.path.dirname(os.path.abspath(out))
+  if out and not os.path.isdir(out):
+    raise ConfigError(f"--output_dir: {F.output_dir} cannot be a directory ({out} is a file)")
+  return devs
+
+
+def define_flags():
+  schema.define_absl_flags(SimFlags)

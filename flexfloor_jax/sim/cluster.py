@@ -292,7 +292,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      length_scale: float = 8.0, prompt_len: int = 256, epochs: int = 3,
                      steps_per_dispatch: int = 0, seed: int = 0,
                      processes: int | None = None, release_sizes: str = "",
-                     makespan_slack: float = 0.05, kv: str = "slots", page_size: int = 16,
+                     makespan_slack: float = 0.05, kv: str = "slots",
+                     page_size: int = 0,
                      max_seqs: int = 0, kv_margin: float = 0.0, kv_memory: str = "device",
                      memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
                      workload_name: str = "default") -> dict:
@@ -309,17 +310,20 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   Across groups: `group_split`; inside a group, the runner's own policy (plan_rollout), its
   placement and release policy deciding on the roofline (RooflineStepCost) and `release_sizes`.
   processes: worker processes for the groups (default: all cores; 1 = in this process).
-  kv='paged': each worker's KV is a pool of pages of `page_size` tokens, at most `max_seqs`
-  sequences per worker, admission on predictions x (1 + kv_margin), the youngest preempted when a
-  pool runs out (policy/pages.py); max_seqs then takes the place of slots_per_worker in the
-  placements. The pool's bytes: kv_memory='device' (equal device memory): what
-  `memory_utilization` of the device leaves beside each schedule's own resident bytes (static
-  and balanced ceil(E/ep) expert slots; FlexFloor the slots of its floor and the move workspace,
-  its floor chosen on the roofline by `choose_floor`); max_seqs 0 = DEFAULT_MAX_NUM_SEQS.
+  kv='paged': each worker's KV is a pool of pages of `page_size` tokens (required there), at
+  most `max_seqs` sequences per worker, admission on predictions x (1 + kv_margin), the
+  youngest preempted when a pool runs out (policy/pages.py); max_seqs then takes the place of
+  slots_per_worker in the placements. The pool's bytes: kv_memory='device' (equal device
+  memory): what `memory_utilization` of the device leaves beside each schedule's own resident
+  bytes (static and balanced ceil(E/ep) expert slots; FlexFloor the slots of its floor and the
+  move workspace, its floor chosen on the roofline by `choose_floor`); max_seqs 0 =
+  DEFAULT_MAX_NUM_SEQS.
   kv_memory='slots': the fixed-slot cache's bytes for every schedule (slots_per_worker rows of
   prompt_len + cap tokens: the same floor); max_seqs 0 = 2 x slots_per_worker."""
   if kv not in ("slots", "paged"):
     raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
+  if kv == "paged" and page_size < 1:  # the CLI passes --page_size (rollout.page_size's default)
+    raise ValueError(f"kv='paged' needs page_size >= 1, got {page_size}")
   if kv_memory not in ("device", "slots"):
     raise ValueError(f"kv_memory must be 'device' or 'slots', got {kv_memory!r}")
   if workload_name not in workload.WORKLOADS:

@@ -76,14 +76,18 @@ def _assert_process_logs(out, proc):
   assert "[p0]" in proc.stdout and "[p1]" in proc.stdout
 
 
-PAGED = SMALL + ["--config.rollout.kv=paged"]
+# a pool of 20 pages a worker, admission on the bare predictions: the release's survivors have
+# rows for the moved sequences, which then outgrow the first-run predictions and preempt
+PAGED = SMALL + ["--config.rollout.kv=paged", "--config.rollout.kv_pages=20",
+                 "--config.rollout.kv_margin=0"]
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_paged(tmp_path):
   """flexfloor on the paged KV pool, release sizes 8 -> 2 -> 1: live sequences
   migrate before the release onto 2 workers, their pages moved by the SPMD page movers over the
-  mesh that spans both processes (a ppermute), and preempted sequences are prefilled again;
+  mesh that spans both processes (a ppermute), and sequences that outgrow their pool are
+  preempted and prefilled again;
   token-identical to one process. (The fixed-slot cache runs across processes below, with every
   release size.)"""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")

@@ -33,7 +33,8 @@ def test_nothing_to_start_is_one_error_line(capsys, kwargs, name):
   """A launcher asked to start nothing (or to give it no time) says so instead of exiting 0."""
   assert launch.launch(["python", "-c", "pass"], **kwargs) == 2
   err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith(f"error: {name}"), err
+  flag, value = name.split("=")  # the schema's line: the flag, its bounds, the value given
+  assert len(err) == 1 and err[0].startswith(f"error: {flag}:") and value in err[0], err
 
 
 def _launch(*args, timeout=60):
