@@ -48,7 +48,7 @@ NEW_TOKENS = 20
 LENGTHS = np.array([16, 12, 14, 5, 9, 13])  # prompt lengths (right padding for the forward)
 PAD_T = 16
 WORKERS = {"q3": (1, 3, 8), "q3s": (1, 3), "go": (1, 3, 8), "go3": (1, 3), "ds": (1, 3, 8),
-           "ml": (1, 3)}
+           "ml": (1, 3, 8)}  # both DeepSeek cases at 8: with and without q_lora_rank
 # saved in several files (the Qwen3 and DeepSeek ones in the fused expert layout)
 SHARDED = ("q3s", "go3", "ml")
 
