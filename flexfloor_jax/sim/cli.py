@@ -21,7 +21,7 @@ from flexfloor_jax.io.atomic import atomic_write
 from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.floor import FloorError, parse_release_sizes
 from flexfloor_jax.sim import measured_hw
-from flexfloor_jax.sim.cluster import GRPO_TRACE, simulate_cluster
+from flexfloor_jax.sim.cluster import GRPO_TRACE, GroupTooSmall, simulate_cluster
 from flexfloor_jax.sim.plot import plot_cluster
 from flexfloor_jax.sim.presets import GB, GIB, HARDWARE, MODELS
 from flexfloor_jax.sim.records import calibrate_and_predict, format_calibration, load_run_record
@@ -141,19 +141,38 @@ def main(argv=None) -> int:
       except ValueError as e:
         print(f"error: --seeds: {e}", file=sys.stderr)
         sys.exit(2)
+  def run(d: int, seed: int, check_only: bool = False) -> dict:
+    return simulate_cluster(
+        model, hw, d, ep=F.ep, slots_per_worker=F.slots_per_worker,
+        length_scale=F.length_scale, prompt_len=F.prompt_len, epochs=F.epochs, seed=seed,
+        steps_per_dispatch=F.steps_per_dispatch, release_sizes=F.release_sizes,
+        makespan_slack=F.makespan_slack, workload_name=F.workload, check_only=check_only,
+        **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_num_seqs,
+                kv_margin=F.kv_margin, kv_memory=F.kv_memory,
+                memory_utilization=F.memory_utilization) if F.kv != "slots" else {}))
+
+  # every device count's group checked before any work: a group too small for the model is one
+  # line naming --ep and the floor
+  for seed in seeds:
+    for d in devs:
+      try:
+        run(d, seed, check_only=True)
+      except GroupTooSmall as e:
+        ep = (f"--ep={e.ep}" if F.ep else
+              f"--ep=0 (min(devices, experts, 8) = {e.ep} at {d} devices)")
+        hint = (f"; pass --ep >= {e.floor} dividing every --devices count"
+                if e.floor is not None else "")
+        print(f"error: {ep}: {e}{hint}", file=sys.stderr)
+        sys.exit(2)
+      except (ValueError, FloorError) as e:
+        print(f"error: {d} devices: {e}", file=sys.stderr)
+        sys.exit(2)
   t0 = time.perf_counter()
   by_seed: dict[int, list[dict]] = {}
   for seed in seeds:
     for d in devs:
       try:
-        by_seed.setdefault(seed, []).append(simulate_cluster(
-            model, hw, d, ep=F.ep, slots_per_worker=F.slots_per_worker,
-            length_scale=F.length_scale, prompt_len=F.prompt_len, epochs=F.epochs, seed=seed,
-            steps_per_dispatch=F.steps_per_dispatch, release_sizes=F.release_sizes,
-            makespan_slack=F.makespan_slack, workload_name=F.workload,
-            **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_num_seqs,
-                    kv_margin=F.kv_margin, kv_memory=F.kv_memory,
-                    memory_utilization=F.memory_utilization) if F.kv != "slots" else {})))
+        by_seed.setdefault(seed, []).append(run(d, seed))
       except (ValueError, FloorError) as e:
         print(f"error: {d} devices: {e}", file=sys.stderr)
         sys.exit(2)

@@ -40,6 +40,38 @@ def floor_for(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
                        int(hw.hbm_bytes), ep)
 
 
+class GroupTooSmall(FloorError):
+  """An EP group of `ep` workers cannot hold the model: its memory floor (`floor`, None where no
+  group of up to one worker per expert holds it) is larger."""
+
+  def __init__(self, message: str, ep: int, floor: int | None):
+    super().__init__(message)
+    self.ep, self.floor = ep, floor
+
+
+def group_floor(model: Model, hw: Hardware, ep: int, slots_per_worker: int,
+                max_seq_len: int) -> int:
+  """`floor_for` of a group of `ep` workers; GroupTooSmall (one line: the floor and what a worker
+  holds at it) where the group cannot hold the model."""
+  try:
+    return floor_for(model, hw, ep, slots_per_worker, max_seq_len)
+  except FloorError:
+    pass
+  kv = slots_per_worker * model.kv_bytes(max_seq_len)
+  try:
+    n = floor_for(model, hw, model.experts, slots_per_worker, max_seq_len)
+  except FloorError as e:
+    raise GroupTooSmall(f"an EP group of {ep} workers cannot hold {model.name} on {hw.name}, nor "
+                        f"can any group of up to one worker per expert ({e})", ep, None) from None
+  gib = 2.0**30
+  raise GroupTooSmall(
+      f"an EP group of {ep} workers cannot hold {model.name} on {hw.name}: its memory floor is "
+      f"{n} workers (each: non-expert {model.nonexpert_bytes / gib:.2f} GiB + "
+      f"{expert_slots(model.experts, n)} of {model.experts} experts x "
+      f"{model.expert_bytes / gib:.2f} GiB + KV {kv / gib:.2f} GiB of {slots_per_worker} slots x "
+      f"{max_seq_len} tokens, on {hw.hbm_bytes / gib:.2f} GiB)", ep, n)
+
+
 def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
   """Metrics of the whole cluster (seconds) from each group's worker timeline."""
   end = max(g["metrics"]["generation_wall_s"] for g in groups)
@@ -296,7 +328,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      page_size: int = 0,
                      max_seqs: int = 0, kv_margin: float = 0.0, kv_memory: str = "device",
                      memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                     workload_name: str = "default") -> dict:
+                     workload_name: str = "default", check_only: bool = False) -> dict:
   """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
   `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
   scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
@@ -319,7 +351,9 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   move workspace, its floor chosen on the roofline by `choose_floor`); max_seqs 0 =
   DEFAULT_MAX_NUM_SEQS.
   kv_memory='slots': the fixed-slot cache's bytes for every schedule (slots_per_worker rows of
-  prompt_len + cap tokens: the same floor); max_seqs 0 = 2 x slots_per_worker."""
+  prompt_len + cap tokens: the same floor); max_seqs 0 = 2 x slots_per_worker.
+  Where the group cannot hold the model (ep below its memory floor) GroupTooSmall, before any
+  work; check_only: only these checks, returning devices, ep and the floor."""
   if kv not in ("slots", "paged"):
     raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
   if kv == "paged" and page_size < 1:  # the CLI passes --page_size (rollout.page_size's default)
@@ -352,7 +386,9 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                                  cap=int(round(workload.DEFAULT_CAP * length_scale)))
   steps_per_dispatch = steps_per_dispatch or max(
       1, int(round(workload.DEFAULT_STEPS_PER_DISPATCH * spec.median / workload.DEFAULT_MEDIAN)))
-  floor = floor_for(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
+  floor = group_floor(model, hw, ep, slots_per_worker, prompt_len + spec.cap)
+  if check_only:
+    return dict(devices=devices, ep=ep, floor=floor)
   last = epochs - 1
   hist = LengthHistory()
   if trace_batches is None:
@@ -414,7 +450,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                    hh, ep, lanes_per_worker, floors.get(sched, floor), model, hw,
                    steps_per_dispatch, last, sizes, inner_slack, ctx, inner_placement) + extra)
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
-  if procs > 1 and devices // ep > 1:
+  if procs > 1:  # one group too: its five runs (the schedules and the oracles) are separate jobs
     mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
     with concurrent.futures.ProcessPoolExecutor(procs, mp_context=mp) as pool:
       results = list(pool.map(_group_job, jobs, chunksize=max(1, len(jobs) // (4 * procs))))

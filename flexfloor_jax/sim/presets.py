@@ -11,6 +11,7 @@ token), not K and V per head.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,8 @@ DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
 @dataclasses.dataclass(frozen=True)
 class Model:
+  """A model's dimensions. The sizes derived from them are computed once (cached_property: the
+  simulator asks for them every simulated step)."""
   name: str
   vocab: int
   hidden: int  # D
@@ -116,16 +119,16 @@ class Model:
                sliding_layers=sliding, sliding_window=(cfg.sliding_window or 0) if sliding else 0,
                **mla)
 
-  @property
+  @functools.cached_property
   def expert_params(self) -> int:
     """One expert, all its MoE layers (w1, w3, w2): a dense layer has none."""
     return param_count.expert_params(self.hidden, self.ffn, self.layers - self.dense_layers)
 
-  @property
+  @functools.cached_property
   def expert_bytes(self) -> int:
     return self.expert_params * self.dtype_bytes
 
-  @property
+  @functools.cached_property
   def nonexpert_params(self) -> int:
     return param_count.nonexpert_params(self.vocab, self.hidden, self.layers, self.heads,
                                       self.kv_heads, self.head_dim, self.experts,
@@ -133,17 +136,17 @@ class Model:
                                       mla_attn=self.mla_attn_params, shared_ffn=self.shared_ffn,
                                       router_correction=self.router_correction)
 
-  @property
+  @functools.cached_property
   def nonexpert_bytes(self) -> int:
     """All non-expert weights (what each worker holds: replicated)."""
     return self.nonexpert_params * self.dtype_bytes
 
-  @property
+  @functools.cached_property
   def nonexpert_read_params(self) -> int:
     """Non-expert weights read per decode step: all but the embedding table (a row gather)."""
     return self.nonexpert_params - self.vocab * self.hidden
 
-  @property
+  @functools.cached_property
   def nonexpert_read_bytes(self) -> int:
     return self.nonexpert_read_params * self.dtype_bytes
 
@@ -151,7 +154,7 @@ class Model:
     """K and V (MLA: the latent and the RoPE key) of one layer, one token."""
     return (self.kv_values or 2 * self.kv_heads * self.head_dim) * self.dtype_bytes
 
-  @property
+  @functools.cached_property
   def attn_flops_per_ctx_token(self) -> float:
     """Decode attention FLOPs per cached token a query attends to, all layers: GQA's q.k and
     p.v over every query head (4 x heads x head_dim a layer); MLA's absorbed form (the engine's
@@ -161,7 +164,7 @@ class Model:
       return float(self.layers * self.heads * (4 * self.kv_lora_rank + 2 * self.head_dim))
     return 4.0 * self.layers * self.heads * self.head_dim
 
-  @property
+  @functools.cached_property
   def kv_bytes_per_token(self) -> int:
     """KV bytes per cached token of the layers that keep every token (all of them without
     sliding layers): what a paged pool's pages hold per token, the growth of a sequence past its
@@ -186,7 +189,7 @@ class Model:
     return ctx * self.kv_bytes_per_token + \
         window * self.sliding_layers * self._kv_layer_token_bytes()
 
-  @property
+  @functools.cached_property
   def params(self) -> int:
     return self.nonexpert_params + self.experts * self.expert_params
 

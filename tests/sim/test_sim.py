@@ -47,6 +47,8 @@ def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
     ("--seeds=-2", "--seeds", "-2"),
     ("--memory_utilization=1.5", "--memory_utilization", "1.5"),
     (("--workload=grpo_trace", "--seeds=0,19"), "--seeds", "seed 19"),  # 20 epochs recorded
+    # a group of 8 H100s cannot hold DeepSeek-V3: refused with its floor, before any run
+    (("--model=deepseek-v3", "--hardware=h100", "--devices=64"), "--ep", "memory floor is 32"),
 ])
 def test_bad_cli_input_is_one_line(tmp_path, flag, named, value):
   """Bad input, as a user runs it: exit 2, one `error:` line naming the flag and the value, no
