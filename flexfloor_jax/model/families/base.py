@@ -276,16 +276,25 @@ def fused_experts(cfg: ModelConfig, n: int, prefix: str) -> list[Weight]:
           Weight(prefix + "down_proj", (e, d, f), (Put("w2", (n,), swap_last),))]
 
 
+def swiglu(prefix: str, names: tuple[str, str, str], leaf: str, index: tuple, ffn: int,
+           hidden: int) -> list[Weight]:
+  """One SwiGLU MLP's [out, in] matrices, `names` = its (gate, up, down) names under `prefix`,
+  into the leaves leaf + 'w1', 'w3', 'w2' at `index` (an expert: leaf '', index (layer,
+  expert); a dense layer's: 'dense_'; a shared expert's: 'shared_')."""
+  shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+  return [Weight(f"{prefix}{name}.weight", shape, (Put(leaf + w, index, transpose),))
+          for name, shape, w in zip(names, shapes, ("w1", "w3", "w2"), strict=True)]
+
+
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")  # the HF names of a SwiGLU's matrices
+
+
 def per_expert(cfg: ModelConfig, n: int, prefix: str, names: tuple[str, str, str]) -> list[Weight]:
   """One [out, in] matrix per expert: `names` are the (gate, up, down) names under
   prefix + '{j}.'."""
-  d, f = cfg.hidden_size, cfg.intermediate_size
   out = []
   for j in range(cfg.num_experts):
-    q = f"{prefix}{j}."
-    out += [Weight(f"{q}{names[0]}.weight", (f, d), (Put("w1", (n, j), transpose),)),
-            Weight(f"{q}{names[1]}.weight", (f, d), (Put("w3", (n, j), transpose),)),
-            Weight(f"{q}{names[2]}.weight", (d, f), (Put("w2", (n, j), transpose),))]
+    out += swiglu(f"{prefix}{j}.", names, "", (n, j), cfg.intermediate_size, cfg.hidden_size)
   return out
 
 

@@ -163,25 +163,15 @@ def weights(cfg: ModelConfig, keys: Collection[str], tied: bool) -> list[base.We
             base.Weight(a + "o_proj.weight", (d, h * v), (base.Put("wo", (i,), base.transpose),))]
     m = p + "mlp."
     if i in cfg.dense_layers:
-      j, fd = cfg.dense_layers.index(i), cfg.dense_intermediate_size
-      out += [base.Weight(m + "gate_proj.weight", (fd, d),
-                          (base.Put("dense_w1", (j,), base.transpose),)),
-              base.Weight(m + "up_proj.weight", (fd, d),
-                          (base.Put("dense_w3", (j,), base.transpose),)),
-              base.Weight(m + "down_proj.weight", (d, fd),
-                          (base.Put("dense_w2", (j,), base.transpose),))]
+      j = cfg.dense_layers.index(i)  # its dense stack entry
+      out += base.swiglu(m, base.GATE_UP_DOWN, "dense_", (j,), cfg.dense_intermediate_size, d)
       continue
-    out += base.routed_experts(cfg, i, keys, m, ("gate_proj", "up_proj", "down_proj"))
+    out += base.routed_experts(cfg, i, keys, m, base.GATE_UP_DOWN)
     out.append(base.Weight(m + "gate.e_score_correction_bias", (cfg.num_experts,),
                            (base.Put("router_correction", (i,)),)))
     if cfg.shared_intermediate_size:
-      fs, s = cfg.shared_intermediate_size, m + "shared_experts."
-      out += [base.Weight(s + "gate_proj.weight", (fs, d),
-                          (base.Put("shared_w1", (i,), base.transpose),)),
-              base.Weight(s + "up_proj.weight", (fs, d),
-                          (base.Put("shared_w3", (i,), base.transpose),)),
-              base.Weight(s + "down_proj.weight", (d, fs),
-                          (base.Put("shared_w2", (i,), base.transpose),))]
+      out += base.swiglu(m + "shared_experts.", base.GATE_UP_DOWN, "shared_", (i,),
+                         cfg.shared_intermediate_size, d)
   return [_fp8(w, keys) for w in out]
 
 

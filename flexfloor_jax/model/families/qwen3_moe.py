@@ -58,15 +58,10 @@ def weights(cfg: ModelConfig, keys: Collection[str], tied: bool) -> list[base.We
     out += base.attention_weights(cfg, n)
     p = f"model.layers.{n}.mlp."
     if n in cfg.dense_layers:
-      j, fd = cfg.dense_layers.index(n), cfg.dense_intermediate_size  # its dense stack entry
-      out += [base.Weight(p + "gate_proj.weight", (fd, d),
-                          (base.Put("dense_w1", (j,), base.transpose),)),
-              base.Weight(p + "up_proj.weight", (fd, d),
-                          (base.Put("dense_w3", (j,), base.transpose),)),
-              base.Weight(p + "down_proj.weight", (d, fd),
-                          (base.Put("dense_w2", (j,), base.transpose),))]
+      j = cfg.dense_layers.index(n)  # its dense stack entry
+      out += base.swiglu(p, base.GATE_UP_DOWN, "dense_", (j,), cfg.dense_intermediate_size, d)
       continue
-    out += base.routed_experts(cfg, n, keys, p, ("gate_proj", "up_proj", "down_proj"))
+    out += base.routed_experts(cfg, n, keys, p, base.GATE_UP_DOWN)
   return out
 
 
