@@ -60,6 +60,10 @@ SEED_FIGURES = (
      / r["balanced"]["generation_wall_s"]),
     ("oracle-bal/st throughput",
      lambda r: r["ratio_oracle"]["oracle_balanced"]["throughput_tokens_per_s"]),
+    # the same policy told every true length, against balanced told only the history: how much
+    # of a tokens-per-device-second target the predictions leave within reach
+    ("oracle-ff/bal tok/occ", lambda r: r["oracle_flexfloor"]["tokens_per_occupied_device_second"]
+     / r["balanced"]["tokens_per_occupied_device_second"]),
     ("bound/st makespan", lambda r: r["static"]["generation_wall_s"] / r["bound"]["makespan_s"]),
 )
 
