@@ -6,9 +6,12 @@ page table [M] names the pages holding its positions in order (position t: page
 table[t // page_size], offset t % page_size; an entry < 0 is "no page"). Which pages a row owns is
 decided by the caller: nothing here allocates.
 Sliding layers whose window is shorter than a sequence keep no pages: each sequence row has a ring
-of its window per sliding layer beside the pool (k_ring, v_ring [num ring layers, rows, window, K,
-hd]; transformer.KVLayout says why), and the pages hold the other layers only. A pool made
-without rows keeps every layer in its pages.
+of its window (plus chunk - 1 positions where a step carries up to `chunk` prompt rows of one
+sequence) per sliding layer beside the pool (k_ring, v_ring [num ring layers, rows, R, K, hd];
+transformer.KVLayout says why), and the pages hold the other layers only. A pool made without
+rows keeps every layer in its pages.
+A decode step's query rows are decode tokens or prompt tokens (chunked prefill) alike: each
+brings its sequence's page table row, and `rows_B` names its sequence row for the rings.
 With M * page_size equal to a fixed-slot cache's length and the same values in the pages (and
 rings), `decode_paged` is bitwise equal to `transformer.decode` for every live row (tested): the
 default attention gathers the pages and runs the same attention math, and a ring layer runs the
@@ -50,11 +53,12 @@ class PagedKVCache:
 
   @classmethod
   def zeros(cls, cfg: ModelConfig, num_pages: int, page_size: int, rows: int = 0,
-            max_len: int = 0) -> PagedKVCache:
+            max_len: int = 0, chunk: int = 1) -> PagedKVCache:
     """A pool of `num_pages` pages. `rows` > 0: the pool serves that many sequence rows of at
     most `max_len` tokens, and the sliding layers whose window is shorter keep rings
-    (transformer.kv_layout) instead of pages."""
-    lay = tfm.kv_layout(cfg, max_len, ring=rows > 0)
+    (transformer.kv_layout) instead of pages, sized for steps of up to `chunk` query rows per
+    sequence."""
+    lay = tfm.kv_layout(cfg, max_len, ring=rows > 0, chunk=chunk)
     dt = tfm.dtype_of(cfg)
     heads, kd, vd = cfg.kv_dims()  # MLA: the latent in k, the RoPE key in v
     shape = (len(lay.full_layers), heads, num_pages, page_size, kd)
@@ -130,12 +134,17 @@ def mla_paged_attention(cfg: ModelConfig, lp: tfm.Params, q_B1HQ: jax.Array,
 def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
                  page_table_BM: jax.Array, tokens_B: jax.Array, positions_B: jax.Array,
                  live_B: jax.Array, *, moe_fn: tfm.MoEFn | None = None,
-                 attention: PagedAttentionFn = paged_attention_xla):
-  """One decode step for every row: the token at `positions_B` is written at its page (a ring
-  layer: in row b's ring) and attends to positions <= positions_B through the row's page table
-  (a ring layer: to its window in the ring). A dead row (live_B False) writes nothing and its
-  attention output is 0. Returns (logits [B, V] fp32, new cache, aux), the analogue of
-  `transformer.decode`."""
+                 attention: PagedAttentionFn = paged_attention_xla,
+                 rows_B: jax.Array | None = None):
+  """One decode step of Q query rows, the analogue of `transformer.decode`: the token of query
+  row i at positions_B[i] is written at its page through page_table_BM[i] (its sequence's table
+  row) and attends to positions <= its own through that table; a ring layer writes and reads
+  the ring of sequence row rows_B[i] (None: row i) instead. Prompt tokens are query rows like
+  decode tokens (chunked prefill): rows of one sequence share its table row and ring row, every
+  layer writes them all before any reads, and its rings hold window + chunk - 1 positions
+  (transformer.KVLayout). A dead row (live_B False) writes nothing and its attention output is
+  0; a live row whose rows_B is out of range writes no ring (its pages follow its table) and
+  its ring attention is 0. Returns (logits [Q, V] fp32, new cache, aux)."""
   moe_fn = moe_fn or tfm.default_moe_fn(cfg)
   b = tokens_B.shape[0]
   pos_B1 = positions_B[:, None]
@@ -170,7 +179,13 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
   tfm._check_ring(cfg, cache.ring_layers, r)
   has_full = cache.k_pages.shape[0] > 0
   r_mask = tfm.ring_mask(cfg, positions_B, r)
-  rows_B = jnp.where(live_B, jnp.arange(b), b)  # a dead row's ring write: out of range, dropped
+  n_rows = cache.k_ring.shape[1]
+  # a dead row's ring write, or one at a position its table cannot hold (as its pages drop):
+  # out of range, dropped
+  span = page_table_BM.shape[1] * cache.page_size
+  w_rows, r_rows = tfm.query_rows(rows_B, live_B & (positions_B >= 0) & (positions_B < span),
+                                  n_rows)
+  ring_live_B = live_B if rows_B is None else live_B & (rows_B >= 0) & (rows_B < n_rows)
 
   def ring_layer(carry, lp):
     x, ck, cv, rk, rv = carry
@@ -179,7 +194,7 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
     if has_full:
       ck = ck.at[fi, :, page_B, off_B].set(k[:, 0], mode="drop")
       cv = cv.at[fi, :, page_B, off_B].set(v[:, 0], mode="drop")
-    rk, rv = tfm.write_ring(rk, rv, ri, rows_B, positions_B, k, v)
+    rk, rv = tfm.write_ring(rk, rv, ri, w_rows, positions_B, k, v)
     sinks = tfm._sinks(cfg, lp)
 
     def full():
@@ -190,8 +205,9 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
       return out_BHD.reshape(b, 1, -1).astype(q.dtype)
 
     def ring():
-      out = tfm.attend(q, rk[ri], rv[ri], r_mask, sinks)
-      return jnp.where(live_B[:, None, None], out, jnp.zeros((), out.dtype))
+      out = tfm.attend(q, tfm.read_rows(rk[ri], r_rows), tfm.read_rows(rv[ri], r_rows), r_mask,
+                       sinks)
+      return jnp.where(ring_live_B[:, None, None], out, jnp.zeros((), out.dtype))
 
     x = x + tfm._attn_out(cfg, lp, tfm.by_layer_kind(lp, has_full, full, ring))
     x, aux = tfm._mlp(cfg, lp, x, live_B[:, None], moe_fn)

@@ -733,32 +733,43 @@ class KVLayout:
   """Which layers a KV cache keeps whole and which as a ring (`kv_layout`).
 
   A sliding layer reads only the last `window` positions, so where its window is shorter than the
-  cache it keeps only those: a ring of `ring_len` (= the window) positions per sequence row,
-  position t at t % ring_len, each write replacing the one position that has just left the
-  window. Every other layer keeps every position. Why a ring: it holds exactly what the layer
-  reads, in a shape fixed per row as the full cache's is (the decode stays batch-invariant), with
-  no page bookkeeping. A paged pool keeps the rings the same way beside its pages, one per
-  sequence row, and its pages hold only the full layers: a page shared by every layer could not
-  be given back while a full layer still reads it, so sliding layers in pages would save
-  nothing."""
+  cache it keeps only those: a ring of `ring_len` positions per sequence row, position t at
+  t % ring_len, each write replacing a position that has left the window. Every other layer
+  keeps every position. Why a ring: it holds exactly what the layer reads, in a shape fixed per
+  row as the full cache's is (the decode stays batch-invariant), with no page bookkeeping. A paged
+  pool keeps the rings the same way beside its pages, one per sequence row, and its pages hold
+  only the full layers: a page shared by every layer could not be given back while a full layer
+  still reads it, so sliding layers in pages would save nothing.
+
+  `ring_len` is window + chunk - 1, `chunk` being the most query rows of one sequence a decode
+  step carries (prompt tokens fed as query rows, `decode`'s rows_B). Every row of a step writes
+  before any row reads, so the row at position p must still find p - window + 1 .. p after the
+  step's later rows (up to p + chunk - 1) have written: window + chunk - 1 distinct slots. The
+  later rows land in slots that held positions older than p's window, which the mask (the
+  window, not the ring) hides. chunk = 1 (one token per sequence a step): a ring of the window."""
   full_layers: tuple[int, ...]
   ring_layers: tuple[int, ...]
   ring_len: int  # positions a ring layer keeps (0 without ring layers)
 
 
-def kv_layout(cfg: ModelConfig, max_len: int, ring: bool = True) -> KVLayout:
-  """The layout of a cache of `max_len` positions: the sliding layers as rings of their window
-  where the window is shorter than max_len (and `ring`), else every layer whole."""
+def kv_layout(cfg: ModelConfig, max_len: int, ring: bool = True, chunk: int = 1) -> KVLayout:
+  """The layout of a cache of `max_len` positions for steps of at most `chunk` query rows per
+  sequence: the sliding layers as rings of window + chunk - 1 positions where that is shorter
+  than max_len (and `ring`), else every layer whole."""
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1 query rows per sequence, got {chunk}")
   w = cfg.sliding_window
   every = tuple(range(cfg.num_layers))
-  if not ring or not w or w >= max_len:
+  if not ring or not w or w + chunk - 1 >= max_len:
     return KVLayout(every, (), 0)
   rings = tuple(i for i in every if cfg.window_of(i) is not None)
-  return KVLayout(tuple(i for i in every if i not in rings), rings, int(w))
+  return KVLayout(tuple(i for i in every if i not in rings), rings, int(w) + chunk - 1)
 
 
 def _check_ring(cfg: ModelConfig, ring_layers: tuple[int, ...], ring_len: int):
-  """A ring must hold at least the window its layer reads (the mask then keeps the window)."""
+  """A ring must hold at least the window its layer reads (the mask then keeps the window). What
+  it holds beyond the window bounds the query rows of one sequence a step may carry (KVLayout),
+  which the rows' traced values cannot be checked against here."""
   for i in ring_layers:
     w = cfg.window_of(i)
     if w is None or ring_len < w:
@@ -786,7 +797,9 @@ def split_layers(num_layers: int, ring_layers: tuple[int, ...]) -> tuple[np.ndar
 
 def ring_key_positions(positions_B: jax.Array, ring_len: int) -> jax.Array:
   """[B, ring_len]: the position each ring slot holds once every position up to positions_B is
-  written (slot j: the latest position = j mod ring_len; negative: none yet)."""
+  written (slot j: the latest position = j mod ring_len; negative: none yet). Positions after
+  positions_B that the same step wrote (a later prompt row of the sequence) sit in slots this
+  names as older than the window (KVLayout), so the window's mask never reads them."""
   pos_B1 = positions_B[:, None]
   return pos_B1 - (pos_B1 - jnp.arange(ring_len, dtype=pos_B1.dtype)) % ring_len
 
@@ -844,9 +857,11 @@ class KVCache:
   ring_layers: tuple[int, ...] = flax.struct.field(pytree_node=False, default=())
 
   @classmethod
-  def zeros(cls, cfg: ModelConfig, batch: int, length: int, ring: bool = True) -> KVCache:
-    """A cache of `length` positions per slot in kv_layout(cfg, length, ring)."""
-    lay = kv_layout(cfg, length, ring)
+  def zeros(cls, cfg: ModelConfig, batch: int, length: int, ring: bool = True,
+            chunk: int = 1) -> KVCache:
+    """A cache of `length` positions per slot in kv_layout(cfg, length, ring, chunk): `chunk`
+    is the most query rows of one sequence a decode step will carry."""
+    lay = kv_layout(cfg, length, ring, chunk)
     dt = dtype_of(cfg)
     heads, kd, vd = cfg.kv_dims()  # MLA: the latent in k, the RoPE key in v
     shape = (len(lay.full_layers), batch, length, heads, kd)
@@ -907,29 +922,67 @@ def insert(cache: KVCache, k: jax.Array, v: jax.Array, slots_P: jax.Array,
   return KVCache(ck, cv, rk, rv, ring_layers=cache.ring_layers)
 
 
+def query_rows(rows_B: jax.Array | None, ok_B: jax.Array, n_rows: int
+               ) -> tuple[jax.Array, jax.Array | None]:
+  """(write rows [Q], read rows [Q] or None) of a step's query rows over a cache of n_rows
+  sequence rows. rows_B [Q]: the cache row each query row reads and writes; None: query row i
+  is cache row i (Q must be n_rows; no gather, today's reads). A query row writes where `ok_B`
+  and its row is in range; elsewhere its write row is n_rows, which mode='drop' drops (a
+  negative row must not reach the scatter: it would index from the end). Its read row is
+  clipped into range: what a row that writes nothing reads is never used."""
+  q = ok_B.shape[0]
+  if rows_B is None:
+    if q != n_rows:
+      raise ValueError(f"{q} query rows over a cache of {n_rows} rows need rows_B")
+    return jnp.where(ok_B, jnp.arange(q, dtype=jnp.int32), n_rows), None
+  rows_B = rows_B.astype(jnp.int32)
+  ok_B = ok_B & (rows_B >= 0) & (rows_B < n_rows)
+  return jnp.where(ok_B, rows_B, n_rows), jnp.clip(rows_B, 0, n_rows - 1)
+
+
+def read_rows(x_BX: jax.Array, rows_Q: jax.Array | None) -> jax.Array:
+  """The cache rows the query rows read ([Q, ...]); x_BX itself where query row i is row i."""
+  return x_BX if rows_Q is None else x_BX[rows_Q]
+
+
 def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array,
-           positions_B: jax.Array, valid_B: jax.Array, *, moe_fn: MoEFn | None = None):
-  """One decode step for every slot: token at `positions_B` attends to cache[:positions_B] and
-  itself (a ring layer: to the positions of its window its ring holds). Returns (logits [B, V]
-  fp32, new cache, aux). Per-slot shapes are fixed by the cache length and the ring length, so a
-  slot's result does not depend on the other slots (batch invariance)."""
+           positions_B: jax.Array, valid_B: jax.Array, *, moe_fn: MoEFn | None = None,
+           rows_B: jax.Array | None = None):
+  """One decode step of Q query rows: the token of query row i, at positions_B[i], is written
+  into cache row rows_B[i] (None: row i) and attends to that row's positions <= its own (a ring
+  layer: to the positions of its window the ring holds). Returns (logits [Q, V] fp32, new
+  cache, aux).
+
+  A query row is a decode token or a prompt token (chunked prefill): both are one token over
+  its sequence's fixed-length cache row, one code path, so a prompt token's K/V and logits do
+  not depend on the chunk or step it lands in. Several query rows may share a cache row
+  (consecutive positions of one prompt): every layer writes all rows' K/V before any row
+  reads, and the position mask keeps each to its own past. Rings hold window + chunk - 1
+  positions for up to `chunk` rows of one sequence (KVLayout). A row that is not valid, or
+  whose cache row or position is out of range, writes nothing (a dead slot must not overwrite a
+  sequence being prefilled into its row); its logits are meaningless. Per-row shapes are fixed
+  by the cache length and the ring length, so at a fixed Q a row's result does not depend on
+  the other rows (batch invariance)."""
   moe_fn = moe_fn or default_moe_fn(cfg)
-  b = tokens_B.shape[0]
+  q_n = tokens_B.shape[0]
   s = cache.length
   pos_B1 = positions_B[:, None]
-  k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-  mask = _layer_mask(cfg, pos_B1, k_pos_BS, jnp.ones((b, s), bool))
+  k_pos_BS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (q_n, s))
+  mask = _layer_mask(cfg, pos_B1, k_pos_BS, jnp.ones((q_n, s), bool))
   x = params["embed"][tokens_B][:, None]
-  rows = jnp.arange(b)
+  writes_B = valid_B & (positions_B >= 0) & (positions_B < s)
+  w_rows, r_rows = query_rows(rows_B, writes_B, cache.k.shape[1])
 
   if cache.k_ring is None or cache.v_ring is None:
     def layer(carry, lp):
       x, ck, cv = carry
       li = lp["layer"]
       q, k, v = _qkv(cfg, lp, x, pos_B1)
-      ck = ck.at[li, rows, positions_B].set(k[:, 0])
-      cv = cv.at[li, rows, positions_B].set(v[:, 0])
-      x = x + _attn_out(cfg, lp, cache_attend(cfg, lp, q, ck[li], cv[li], mask(lp)))
+      ck = ck.at[li, w_rows, positions_B].set(k[:, 0], mode="drop")
+      cv = cv.at[li, w_rows, positions_B].set(v[:, 0], mode="drop")
+      out = cache_attend(cfg, lp, q, read_rows(ck[li], r_rows), read_rows(cv[li], r_rows),
+                         mask(lp))
+      x = x + _attn_out(cfg, lp, out)
       x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
       return (x, ck, cv), aux
 
@@ -946,12 +999,14 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
     fi, ri = lp["full_idx"], lp["ring_idx"]
     q, k, v = _qkv(cfg, lp, x, pos_B1)
     if has_full:
-      ck = ck.at[fi, rows, positions_B].set(k[:, 0], mode="drop")
-      cv = cv.at[fi, rows, positions_B].set(v[:, 0], mode="drop")
-    rk, rv = write_ring(rk, rv, ri, rows, positions_B, k, v)
+      ck = ck.at[fi, w_rows, positions_B].set(k[:, 0], mode="drop")
+      cv = cv.at[fi, w_rows, positions_B].set(v[:, 0], mode="drop")
+    rk, rv = write_ring(rk, rv, ri, w_rows, positions_B, k, v)
     sinks = _sinks(cfg, lp)
-    out = by_layer_kind(lp, has_full, lambda: attend(q, ck[fi], cv[fi], mask(lp), sinks),
-                        lambda: attend(q, rk[ri], rv[ri], r_mask, sinks))
+    out = by_layer_kind(
+        lp, has_full,
+        lambda: attend(q, read_rows(ck[fi], r_rows), read_rows(cv[fi], r_rows), mask(lp), sinks),
+        lambda: attend(q, read_rows(rk[ri], r_rows), read_rows(rv[ri], r_rows), r_mask, sinks))
     x = x + _attn_out(cfg, lp, out)
     x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
     return (x, ck, cv, rk, rv), aux
