@@ -12,6 +12,10 @@ idle_after_finish_fraction = sum_w (release_w - local_finish_w) / sum_w (release
 device-steps: the headline, since emulated CPU devices share cores and their seconds mean little.
 The same ratio in wall seconds is idle_after_finish_fraction_seconds. Inside a decode dispatch of k
 steps the wall time of each step is interpolated linearly (the engine only times the dispatch).
+
+prefill_only_steps_while_decoding: steps that ran prompt tokens and stalled a live row (one-shot
+prefill steps while some other row was live); a chunked-prefill run has none, its prompts riding
+in decode steps (`dispatch_steps` expands such a dispatch step by step).
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ class Timeline:
   t_start: float
   t_end: float | None = None
   # {'kind': 'prefill'|'decode', 'start': step, 'num_steps', 'active': [...], 'live': [per active
-  #  worker, at the first step], 't0', 't1'}
+  #  worker, at the first step: its live rows, a prefill's new ones included], 't0', 't1'};
+  # a prefill also 'admitted': [per active worker, the seq id it prefilled, -1 none]; a chunked
+  # decode dispatch also 'chunk' (input tokens a step per worker) and 'pending': [per active
+  # worker, its pending list at the first step: [seq id, input tokens run, input tokens left]]
+  # (controller's module doc; `dispatch_steps` expands it step by step)
   steps: list[dict] = field(default_factory=list)
   # {'seq_id', 'worker', 'slot', 'num_tokens', 'reason', 'step'}: finished in step index 'step'
   finishes: list[dict] = field(default_factory=list)
@@ -49,10 +57,17 @@ class Timeline:
   def num_steps(self) -> int:
     return max((r['start'] + r['num_steps'] for r in self.steps), default=0)
 
-  def add_step(self, kind, start, num_steps, active, live, t0, t1):
-    self.steps.append(dict(kind=kind, start=int(start), num_steps=int(num_steps),
-                           active=[int(w) for w in active], live=[int(x) for x in live],
-                           t0=float(t0), t1=float(t1)))
+  def add_step(self, kind, start, num_steps, active, live, t0, t1, *, admitted=None, chunk=0,
+               pending=None):
+    r: dict[str, Any] = dict(kind=kind, start=int(start), num_steps=int(num_steps),
+                             active=[int(w) for w in active], live=[int(x) for x in live],
+                             t0=float(t0), t1=float(t1))
+    if admitted is not None:
+      r['admitted'] = [int(q) for q in admitted]
+    if chunk:
+      r['chunk'] = int(chunk)
+      r['pending'] = [[[int(x) for x in e] for e in v] for v in (pending or [[] for _ in active])]
+    self.steps.append(r)
 
   def add_finish(self, seq_id, worker, slot, num_tokens, reason, step):
     self.finishes.append(dict(seq_id=int(seq_id), worker=int(worker), slot=int(slot),
@@ -159,6 +174,7 @@ def metrics(tl: Timeline) -> dict:
   makespan_s = tl.step_end_time(last + 1) - tl.t_start if last >= 0 else 0.0
   return dict(
       device_steps=device_steps,
+      prefill_only_steps_while_decoding=stalling_prefill_steps(tl),
       device_steps_prefill=ds_pre,
       device_steps_decode=ds_dec,
       prefill_steps=sum(r['num_steps'] for r in pre),
@@ -182,6 +198,69 @@ def metrics(tl: Timeline) -> dict:
   )
 
 
+def stalling_prefill_steps(tl: Timeline) -> int:
+  """Steps that ran input tokens and stalled a live row: one-shot prefill steps in which some
+  active worker held a live row beside the ones it prefilled there. A decode step decodes every
+  live row, the input tokens of chunked prefill riding along, so it never counts: a chunked run
+  has none. A prefill record without 'admitted' (an older timeline) counts where a worker held
+  two rows or more (at most one of them new): a lower count, never a higher one."""
+  n = 0
+  for r in tl.steps:
+    if r['kind'] != 'prefill':
+      continue
+    adm = r.get('admitted')
+    if adm is None:
+      held = any(x >= 2 for x in r['live'])
+    else:
+      held = sum(r['live']) > sum(q >= 0 for q in adm)
+    n += r['num_steps'] * bool(held)
+  return n
+
+
+def finishes_by_step(tl: Timeline) -> dict[int, list[int]]:
+  """Step -> the workers of the sequences that finished in it (one entry per finish)."""
+  out: dict[int, list[int]] = {}
+  for f in tl.finishes:
+    out.setdefault(f['step'], []).append(f['worker'])
+  return out
+
+
+def dispatch_steps(tl: Timeline, r: dict,
+                   fin_at: dict[int, list[int]] | None = None) -> dict[str, np.ndarray]:
+  """A step record of `tl`, step by step: per step (rows) and active worker (columns),
+  'rows': live rows that decode; 'tokens': input tokens run (chunked prefill); 'past': the
+  input tokens before those in their sequences (the prefix their attention reads, summed over
+  the sequences a step's tokens span); 'first': sequences whose input turned in (their first
+  token made from it). A chunked dispatch per the controller's contract; a one-shot one has no
+  input tokens; a prefill step reports its live rows. fin_at: finishes_by_step(tl), computed
+  once when many records are expanded."""
+  fin_at = finishes_by_step(tl) if fin_at is None else fin_at
+  k, act = int(r['num_steps']), r['active']
+  n = len(act)
+  pos = {w: i for i, w in enumerate(act)}
+  delta = np.zeros((k + 1, n), np.int64)
+  delta[0] = r['live']
+  tokens, past, first = (np.zeros((k, n), np.int64) for _ in range(3))
+  C = int(r.get('chunk', 0))
+  for i, lst in enumerate(r.get('pending', []) if C else []):
+    end = 0
+    for _, ran, left in lst:
+      a, end = end, end + left  # its tokens' place in the worker's input stream
+      j = -(-end // C) - 1
+      if j < k:
+        first[j, i] += 1
+        delta[j + 1, i] += 1
+      for t in range(a // C, min(j, k - 1) + 1):
+        lo, hi = max(t * C, a), min((t + 1) * C, end)
+        tokens[t, i] += hi - lo
+        past[t, i] += ran + lo - a
+  if r['kind'] == 'decode':
+    for t in range(k):
+      for w in fin_at.get(r['start'] + t, ()):
+        delta[t + 1, pos[w]] -= 1
+  return dict(rows=np.cumsum(delta, axis=0)[:k], tokens=tokens, past=past, first=first)
+
+
 def live_series(tl: Timeline):
   """(steps, active workers, live sequences) per step, for plots."""
   n = tl.num_steps
@@ -190,7 +269,14 @@ def live_series(tl: Timeline):
   fin_at = {}
   for f in tl.finishes:
     fin_at[f['step']] = fin_at.get(f['step'], 0) + 1
+  by_step = finishes_by_step(tl)
   for r in tl.steps:
+    if r.get('chunk'):  # rows turn live inside the dispatch too
+      rows = dispatch_steps(tl, r, by_step)['rows'].sum(axis=1)
+      for i in range(r['num_steps']):
+        active[r['start'] + i] = len(r['active'])
+        live[r['start'] + i] = int(rows[i])
+      continue
     cur = sum(r['live'])
     for i in range(r['start'], r['start'] + r['num_steps']):
       active[i] = len(r['active'])

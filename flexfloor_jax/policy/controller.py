@@ -27,6 +27,59 @@ on the destination. Without `kv` nothing of this runs.
 
 The controller keeps its own slot table (it knows what it assigned; finishes free slots) and checks
 every Finish against it, so an executor that misbehaves fails loudly instead of skewing metrics.
+
+Chunked prefill (`run(..., prefill_chunk=C)`, C > 0; C = 0 is the one-shot prefill above,
+unchanged). A one-shot prefill step stalls every live row for a step; here prompts ride inside
+the decode steps, C input tokens per worker per step (vLLM's and SGLang's chunked prefill), and
+no step ever runs input while a live row waits. The executor is a ChunkedExecutor (`admit` in
+place of `prefill`) whose `prefill_chunk` attribute equals C (the controller refuses a
+mismatch); the contract it implements:
+  - Admission runs no step. Every active worker's free slots take its queue heads in queue
+    order, lowest free slot first, as many as it has free slots (paged KV: while the pool
+    admits each, its pages allocated for input + 1 tokens, as a one-shot admission does).
+    `executor.admit(assign)` gets (worker, slot, seq_id) triples, any number per worker, each
+    worker's in the order its queue gave them. Each admitted sequence's input joins the end of
+    its worker's pending list: its prompt; a sequence resumed after a preemption, its prompt +
+    the tokens it had made and kept. From admission its slot is occupied (not free) and pending
+    (not live).
+  - A decode dispatch of k steps, `executor.decode(max_steps, stop_on_refill, stop_on_idle)`
+    as in one-shot mode: in each step every active worker runs one decode token for each of its
+    live rows plus the next min(C, P) input tokens of its pending list (P: the input tokens
+    still pending there), taken in list order, so that one step's tokens may end one sequence's
+    input and start the next one's. A sequence whose last input token runs in step j makes its
+    first token in step j, from that token's logits (a resumed sequence: its next token); it may
+    finish there (its limit or EOS), else it is a live row from step j + 1 on and makes one token
+    per step. With pending list [(s_1, n_1), (s_2, n_2), ...] at the dispatch's start (n_i input
+    tokens of s_i still to run), s_i's last input token runs in step ceil((n_1 + ... + n_i) / C)
+    - 1 of the dispatch (0-based). The controller knows every sequence's step from C and its own
+    pending lists and checks each Finish against it: a sequence that had g tokens before its
+    input turned in at step j and finishes with m tokens finished in step j + m - g - 1, which
+    must lie inside the dispatch.
+  - Stop rules as in one-shot mode (`worker_stops` per worker, `dispatch_stops`), with a worker's
+    pending sequences counted as live: the dispatch stops after the step in which a worker with
+    stop_on_refill had a slot finish, or a worker with stop_on_idle had a slot finish and holds
+    no live or pending sequence after that step, or after which no row is live and nothing is
+    pending anywhere. Steps that run input tokens while no row is live anywhere are allowed
+    (nothing stalls).
+  - Preemption (`executor.preempt`) takes pending rows too: the executor drops the row's pending
+    input and its partial KV; the sequence keeps only the tokens it had made before (none for a
+    fresh one), and its next admission's input is its prompt + those.
+  - Migration of a pending sequence is a preemption: where a release's plan moves a pending
+    sequence, the controller preempts it at the source (`executor.preempt`) and queues it at the
+    front of the destination's queue, from where admission takes it again (its input
+    recomputed). `executor.migrate` only ever gets live rows.
+  - Paged KV: a pending row holds pages like a live row that has made the tokens it kept: before
+    every dispatch `kv.grow` makes each row own pages for prompt + generated + max_steps tokens
+    (a pending row: its whole input + max_steps, since it may turn live in step 0 and make a
+    token in every step), and where a pool runs out its youngest rows are preempted, pending
+    ones as live ones (a pending row was admitted last, so it is usually the first to go).
+  - After a shrink admission follows at once: it costs no step, so the one-shot rule of one
+    decode step on the new mesh first does not apply.
+  - The timeline records each chunked dispatch's `chunk` (C) and `pending` (per active worker,
+    its pending list at the dispatch's start: [seq id, input tokens already run, input tokens
+    left]): with its live rows and the finishes, every step's live rows and input tokens per
+    worker follow (accounting.dispatch_steps), which is what prices it in seconds
+    (costs.mixed_dispatch_seconds).
 """
 
 from __future__ import annotations
@@ -35,7 +88,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -94,12 +147,14 @@ def dispatch_stops(finished: list[int], live: set[int], active: list[int],
 
 
 class Executor(Protocol):
-  """What the engine implements. `slots_per_worker` (B) is the same on every worker."""
+  """What the engine implements. `slots_per_worker` (B) is the same on every worker. A chunked
+  prefill executor is a ChunkedExecutor as well."""
   slots_per_worker: int
 
   def prefill(self, assign: list[tuple[int, int, int]]) -> list[Finish]:
-    """(worker, slot, seq_id), at most one per active worker; one SPMD prefill step on all active
-    workers that also generates each sequence's first token (a target of 1 finishes here)."""
+    """One-shot only. (worker, slot, seq_id), at most one per active worker; one SPMD prefill
+    step on all active workers that also generates each sequence's first token (a target of 1
+    finishes here)."""
     ...
 
   def decode(self, max_steps: int, stop_on_refill: np.ndarray,
@@ -107,7 +162,8 @@ class Executor(Protocol):
     """Up to max_steps decode steps on all active workers. Masks are indexed by position in
     active_workers(). Stops after the step in which a worker with stop_on_refill had a slot finish,
     or a worker with stop_on_idle went from some live slot to none, or no live slot is left.
-    Returns (steps run, finishes)."""
+    Chunked: each step also runs the workers' next input tokens, and pending sequences count as
+    live (module doc). Returns (steps run, finishes)."""
     ...
 
   def migrate(self, moves: list[tuple[int, int, int, int]]) -> int:
@@ -120,12 +176,24 @@ class Executor(Protocol):
     ...
 
   def preempt(self, slots: list[tuple[int, int]]) -> None:
-    """Paged KV only (run's `kv`): drop the sequences of these live (worker, slot)s, remembering
-    the tokens each has generated; a later prefill of such a sequence recomputes them and makes
-    one more (its Finish then counts them all)."""
+    """Paged KV (run's `kv`), and chunked prefill's migration of a pending sequence: drop the
+    sequences of these occupied (worker, slot)s, remembering the tokens each has generated; a
+    later prefill (chunked: admission) of such a sequence recomputes them and makes one more
+    (its Finish then counts them all). A pending row drops its pending input and partial KV."""
     ...
 
   def active_workers(self) -> list[int]:
+    ...
+
+
+class ChunkedExecutor(Executor, Protocol):
+  """An executor of chunked prefill: `prefill_chunk` (C) input tokens a step per worker (an
+  executor without the attribute is one-shot: C = 0), and `admit` in place of `prefill`."""
+  prefill_chunk: int
+
+  def admit(self, assign: list[tuple[int, int, int]]) -> None:
+    """(worker, slot, seq_id), any number per worker: no step runs; each one's input joins the
+    end of its worker's pending list (module doc)."""
     ...
 
 
@@ -158,6 +226,10 @@ class State:
   generated: dict[int, int]  # live seq id -> tokens generated so far
   queues: dict[int, deque]  # worker -> queued seq ids (FIFO)
   step: int  # steps done so far
+  # chunked prefill: worker -> its pending list, in order: [seq id, input tokens left, input
+  # tokens run]. A pending seq holds its slot (in `slots`, as a live one) and `generated` counts
+  # the tokens it kept from before a preemption (0 for a fresh one)
+  pending: dict[int, list[list[int]]] = field(default_factory=dict)
 
   @property
   def slot_seq(self) -> np.ndarray:
@@ -165,7 +237,7 @@ class State:
     return np.asarray(self.slots, np.int64)
 
   def live(self, w: int) -> list[tuple[int, int]]:
-    """(slot, seq_id) of worker w's live slots."""
+    """(slot, seq_id) of worker w's occupied slots (chunked prefill: pending ones too)."""
     return [(s, q) for s, q in enumerate(self.slots[w]) if q >= 0]
 
   def free_slots(self, w: int) -> list[int]:
@@ -192,14 +264,37 @@ class ControllerError(RuntimeError):
   pass
 
 
+def turn_steps(pending: list[list[int]], chunk: int) -> list[int]:
+  """One worker's pending list ([seq id, input tokens left, ...] in order) -> the step of a
+  dispatch (0-based) in which each one's last input token runs, `chunk` tokens a step."""
+  out, end = [], 0
+  for ent in pending:
+    end += int(ent[1])
+    out.append(-(-end // chunk) - 1)
+  return out
+
+
 def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
         policy: ReleasePolicyLike, steps_per_dispatch: int = 8,
         clock: Callable[[], float] = time.perf_counter, slots_per_worker: int | None = None,
-        kv=None) -> RolloutRecord:
+        kv=None, prefill_chunk: int = 0) -> RolloutRecord:
   """Generate every sequence; see the module doc for the loop. kv: a policy.pages.PagePool
-  (paged KV; its max_seqs rows are the slots), None = fixed slots."""
+  (paged KV; its max_seqs rows are the slots), None = fixed slots. prefill_chunk: input tokens
+  a decode step takes per worker (chunked prefill, the module doc's contract); 0 = one-shot
+  prefill steps."""
   if steps_per_dispatch < 1:
     raise ValueError(f'steps_per_dispatch must be >= 1, got {steps_per_dispatch}')
+  C = prefill_chunk
+  if isinstance(C, bool) or not isinstance(C, (int, np.integer)) or C < 0:
+    raise ValueError(f'prefill_chunk must be an integer >= 0, got {prefill_chunk!r}')
+  C = int(C)
+  if int(getattr(executor, 'prefill_chunk', 0) or 0) != C:
+    raise ControllerError(f'the executor runs prefill_chunk='
+                          f'{getattr(executor, "prefill_chunk", 0)}, the controller was asked '
+                          f'for {C}')
+  if C and not callable(getattr(executor, 'admit', None)):
+    raise ControllerError('chunked prefill needs an executor with admit (ChunkedExecutor)')
+  chunked_ex = cast(ChunkedExecutor, executor)
   B = int(slots_per_worker or executor.slots_per_worker)
   cap = getattr(policy, 'max_rows', None)  # admission decided in seconds (costs.admission_rows)
   if cap:
@@ -218,10 +313,11 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     raise ControllerError(f'queues for inactive workers {sorted(set(queues) - set(workers))}')
   st = State(seqs=seq_by_id, active=list(workers), slots_per_worker=B,
              slots=[[-1] * B for _ in range(max(workers) + 1)], generated={},
-             queues={w: deque(queues.get(w, [])) for w in workers}, step=0)
+             queues={w: deque(queues.get(w, [])) for w in workers}, step=0,
+             pending={w: [] for w in workers} if C else {})
   tl = Timeline(workers=sorted(workers), slots_per_worker=B, t_start=clock())
   done: dict[int, Finish] = {}
-  where: dict[int, tuple[int, int]] = {}  # live seq -> (worker, slot)
+  where: dict[int, tuple[int, int]] = {}  # occupied seq (live or pending) -> (worker, slot)
   prefilled_on: dict[int, int] = {}
   resume: dict[int, int] = {}  # preempted seq -> tokens it had generated (paged KV)
 
@@ -237,18 +333,37 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     done[f.seq_id] = f
     tl.add_finish(f.seq_id, f.worker, f.slot, f.num_tokens, f.reason, step)
 
+  def admits(w: int) -> bool:
+    q = st.queues[w][0]
+    return kv is None or kv.admits(w, seq_by_id[q], resume.get(q, 0), steps_per_dispatch)
+
   if policy.enabled:  # workers the placement gave nothing go before the first step
     _release(st, policy, executor, tl, clock, where, kv, resume)
   shrunk = False  # the active set shrank since the last decode dispatch
   while len(done) < len(seqs):
-    # (a) admission: one prefill step per round while any active worker can take a queued seq
-    # (right after a shrink, a decode step on the new mesh goes first; see the module doc)
-    while not (shrunk and where):
+    if C:  # (a) chunked admission: every free slot takes a queue head; no step runs
       assign = []
       for w in st.active:
         row = st.slots[w]
-        if st.queues[w] and -1 in row and (kv is None or kv.admits(
-            w, seq_by_id[st.queues[w][0]], resume.get(st.queues[w][0], 0), steps_per_dispatch)):
+        while st.queues[w] and -1 in row and admits(w):
+          s, q = row.index(-1), st.queues[w].popleft()
+          row[s] = q
+          st.generated[q] = g = resume.pop(q, 0)
+          where[q] = (w, s)
+          prefilled_on[q] = w
+          st.pending[w].append([q, seq_by_id[q].prompt_len + g, 0])
+          if kv is not None:  # before the next head asks the pool
+            kv.allocate(w, s, seq_by_id[q], seq_by_id[q].prompt_len + g + 1)
+          assign.append((w, s, q))
+      if assign:
+        chunked_ex.admit(assign)
+    # (a) admission: one prefill step per round while any active worker can take a queued seq
+    # (right after a shrink, a decode step on the new mesh goes first; see the module doc)
+    while not C and not (shrunk and where):
+      assign = []
+      for w in st.active:
+        row = st.slots[w]
+        if st.queues[w] and -1 in row and admits(w):
           assign.append((w, row.index(-1), st.queues[w].popleft()))
       if not assign:
         break
@@ -261,8 +376,9 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
           kv.allocate(w, s, seq_by_id[q], seq_by_id[q].prompt_len + st.generated[q])
       t0 = clock()
       fins = executor.prefill(assign)
+      by_w = {w: q for w, _, q in assign}
       tl.add_step('prefill', st.step, 1, st.active, [st.num_live(w) for w in st.active], t0,
-                  clock())
+                  clock(), admitted=[by_w.get(w, -1) for w in st.active])
       for f in fins:
         if f.num_tokens != st.generated.get(f.seq_id, 1):
           raise ControllerError(f'prefill finish of seq {f.seq_id} with {f.num_tokens} tokens')
@@ -282,8 +398,8 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
                             f'queues {stuck}')
     # (b) one decode dispatch
     # admissions deferred by a shrink wait for one step only
-    pending = shrunk and any(st.queues[w] and st.num_free(w) for w in st.active)
-    max_steps = 1 if pending else steps_per_dispatch
+    deferred = shrunk and any(st.queues[w] and st.num_free(w) for w in st.active)
+    max_steps = 1 if deferred and not C else steps_per_dispatch
     if kv is not None:  # pages for the dispatch's tokens; the youngest rows give way
       lost = kv.grow({where[q]: g for q, g in st.generated.items()}, max_steps)
       if lost:
@@ -294,7 +410,12 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
       stop_fin, stop_idle = policy.stop_masks(st)
     else:
       stop_fin = stop_idle = np.zeros(len(st.active), bool)
-    live0 = [st.num_live(w) for w in st.active]
+    turn: dict[int, int] = {}  # pending seq -> step of this dispatch its input turns in
+    for w in st.active if C else ():
+      turn.update(zip((e[0] for e in st.pending[w]), turn_steps(st.pending[w], C), strict=True))
+    # the timeline's record of the pending lists: [seq id, input tokens run, input tokens left]
+    snap = [[[e[0], e[2], e[1]] for e in st.pending[w]] for w in st.active] if C else None
+    live0 = [st.num_live(w) - len(st.pending.get(w, ())) for w in st.active]
     shrunk = False
     t0 = clock()
     k, fins = executor.decode(max_steps, refill | np.asarray(stop_fin, bool),
@@ -302,18 +423,31 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     t1 = clock()
     if not 1 <= k <= max_steps:
       raise ControllerError(f'decode ran {k} steps, asked for 1..{max_steps}')
-    tl.add_step('decode', st.step, k, st.active, live0, t0, t1)
+    tl.add_step('decode', st.step, k, st.active, live0, t0, t1, chunk=C, pending=snap)
     for f in fins:
       g = st.generated.get(f.seq_id)
       if g is None:
         raise ControllerError(f'decode finish of seq {f.seq_id} that is not live')
-      at = st.step + (f.num_tokens - g) - 1  # one token per decode step
-      if not st.step <= at < st.step + k:
+      j = turn.get(f.seq_id, 0)  # its first token of this dispatch (live rows: step 0)
+      at = st.step + j + (f.num_tokens - g) - 1  # then one token per step
+      if not st.step + j <= at < st.step + k:
         raise ControllerError(f'seq {f.seq_id} finished with {f.num_tokens} tokens; it had {g} '
-                              f'before a dispatch of {k} steps')
+                              f'before a dispatch of {k} steps' +
+                              (f' and its input turns in at step {j}' if f.seq_id in turn
+                               else ''))
       finish(f, at)
     for q in st.generated:
-      st.generated[q] += k
+      j = turn.get(q, 0)
+      if j < k:
+        st.generated[q] += k - j
+    for w in st.pending:  # the input the k steps took, C tokens a step per worker
+      budget = k * C
+      for ent in st.pending[w]:
+        take = min(ent[1], budget)
+        ent[1] -= take
+        ent[2] += take
+        budget -= take
+      st.pending[w] = [ent for ent in st.pending[w] if ent[1] > 0]
     st.step += k
 
   tl.t_end = clock()
@@ -322,16 +456,26 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
 
 
 def _preempt(st: State, executor: Executor, where, resume, lost) -> None:
-  """Paged KV: the sequences at (worker, slot) leave (pages already freed by the pool), each to
-  the front of worker `to`'s queue, in the order given (youngest first, so the oldest ends up
-  first)."""
+  """Paged KV, and chunked prefill's pending migrations: the sequences at (worker, slot) leave
+  (pages already freed by the pool), each to the front of worker `to`'s queue, in the order
+  given (youngest first, so the oldest ends up first). A pending one leaves its pending list and
+  keeps the tokens it had kept."""
   executor.preempt([(w, s) for w, s, _ in lost])
   for w, s, to in lost:
     q = st.slots[w][s]
     st.slots[w][s] = -1
     del where[q]
     resume[q] = st.generated.pop(q)
+    if st.pending:
+      st.pending[w] = [e for e in st.pending[w] if e[0] != q]
     st.queues[to].appendleft(q)
+
+
+def _check_moves(st: State, moves) -> None:
+  for sw, ss, dw, ds in moves:
+    if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
+      raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
+                            'destination free and active')
 
 
 def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timeline, clock,
@@ -340,27 +484,33 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
   plan = policy.plan(st)
   if plan is None:
     return False
-  lost = []  # paged KV: moves whose destination lacks the pages (preempted there)
+  lost_q = []  # (src, dst, seq) of moves that became preemptions queued on the destination
+  pending = {e[0] for v in st.pending.values() for e in v}
+  if pending and any(st.slots[sw][ss] in pending for sw, ss, _, _ in plan.moves):
+    # chunked prefill: a pending seq's partial KV is dropped, not moved (module doc)
+    _check_moves(st, plan.moves)
+    gone = [m for m in plan.moves if st.slots[m[0]][m[1]] in pending]
+    plan = Plan(moves=[m for m in plan.moves if st.slots[m[0]][m[1]] not in pending],
+                queue_moves=list(plan.queue_moves), new_active=plan.new_active)
+    lost_q += [(sw, dw, st.slots[sw][ss]) for sw, ss, dw, _ in gone]
+    if kv is not None:
+      for sw, ss, _, _ in gone:
+        kv.free(sw, ss)
+    _preempt(st, executor, where, resume, [(sw, ss, dw) for sw, ss, dw, _ in gone])
   if plan.moves and kv is not None:
-    for sw, ss, dw, ds in plan.moves:  # the controller's checks first, the pool's after
-      if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
-        raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
-                              'destination free and active')
+    _check_moves(st, plan.moves)  # the controller's checks first, the pool's after
     ok = kv.move(list(plan.moves))
     lost = [m for m, fits in zip(plan.moves, ok, strict=True) if not fits]
     plan = Plan(moves=[m for m, fits in zip(plan.moves, ok, strict=True) if fits],
                 queue_moves=list(plan.queue_moves), new_active=plan.new_active)
-    lost_q = [(sw, dw, st.slots[sw][ss]) for sw, ss, dw, _ in lost]
+    lost_q += [(sw, dw, st.slots[sw][ss]) for sw, ss, dw, _ in lost]
     _preempt(st, executor, where, resume, [(sw, ss, dw) for sw, ss, dw, _ in lost])
   if plan.moves:
     srcs = [(sw, ss) for sw, ss, _, _ in plan.moves]
     dsts = [(dw, ds) for _, _, dw, ds in plan.moves]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
       raise ControllerError(f'migration reuses a slot: {plan.moves}')
-    for sw, ss, dw, ds in plan.moves:
-      if st.slots[sw][ss] < 0 or dw not in st.active or st.slots[dw][ds] >= 0:
-        raise ControllerError(f'bad migration {(sw, ss, dw, ds)}: source must be live, '
-                              'destination free and active')
+    _check_moves(st, plan.moves)
     kv_bytes = executor.migrate(list(plan.moves))
     qs = [st.slots[sw][ss] for sw, ss, _, _ in plan.moves]
     for sw, ss, _, _ in plan.moves:
@@ -373,14 +523,13 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
   for sw, dw, q in plan.queue_moves:
     st.queues[sw].remove(q)
     st.queues[dw].append(q)
-  if plan.moves or plan.queue_moves or lost:
-    tl.add_migration(st.step, plan.moves, list(plan.queue_moves) + (lost_q if lost else []),
-                     kv_bytes, clock())
+  if plan.moves or plan.queue_moves or lost_q:
+    tl.add_migration(st.step, plan.moves, list(plan.queue_moves) + lost_q, kv_bytes, clock())
   new = plan.new_active
   if new is None or list(new) == st.active:
-    return bool(plan.moves or plan.queue_moves or lost)
-  gone = [w for w in st.active if w not in set(new)]
-  for w in gone:
+    return bool(plan.moves or plan.queue_moves or lost_q)
+  gone_w = [w for w in st.active if w not in set(new)]
+  for w in gone_w:
     if st.live(w) or st.queues[w]:
       raise ControllerError(f'release of worker {w} that still holds work')
   if not set(new) <= set(st.active):
@@ -389,7 +538,8 @@ def _release(st: State, policy: ReleasePolicyLike, executor: Executor, tl: Timel
   st.active = list(executor.active_workers())
   if sorted(st.active) != sorted(new):
     raise ControllerError(f'executor active {st.active} after shrink to {new}')
-  for w in gone:
+  for w in gone_w:
     del st.queues[w]
-  tl.add_release(gone, st.step, clock(), stats)
+    st.pending.pop(w, None)
+  tl.add_release(gone_w, st.step, clock(), stats)
   return True

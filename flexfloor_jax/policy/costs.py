@@ -8,6 +8,10 @@ and the makespan stays within its slack. Sources:
     during a rollout and kept in the length-history file, so the next run decides on them;
   - a hardware preset of the simulator (sim.costs.RooflineStepCost: roofline + per-step and
     per-collective latency) where nothing is measured yet.
+Chunked prefill (policy.controller's module doc) runs prompt tokens inside decode steps:
+`mixed_seconds` prices such a step from the input tokens each worker runs beside its live rows,
+`mixed_dispatch_seconds` sums a dispatch of them in closed form, and `admission_chunk` decides
+how many input tokens a step takes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ class StepCost(Protocol):
     ...
 
   def prefill_seconds(self, prompt_w: np.ndarray) -> float:
+    ...
+
+  def mixed_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray, chunk_w: np.ndarray,
+                    past_w: np.ndarray) -> float:
+    """A decode step (rows_w live rows reading kv_w cached tokens per worker) in which each
+    worker also runs chunk_w input tokens whose sequences hold past_w tokens before them (the
+    prefix their attention reads, summed over the sequences the tokens span); chunk_w = 0 is
+    worker_step_seconds."""
     ...
 
 
@@ -51,6 +63,108 @@ def dispatch_seconds(step, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int) -
     total += (b - a) * step(live.sum(1).astype(float), ((ctx_wb + mid) * live).sum(1))
     a = b
   return total
+
+
+def mixed_dispatch_seconds(step, rem_wb: np.ndarray, ctx_wb: np.ndarray, steps: int, chunk: int,
+                           pending: list[list[tuple[int, int, int]]]) -> float:
+  """Seconds of `steps` steps of one chunked-prefill dispatch (policy.controller's contract),
+  summed in closed form like dispatch_seconds. rem_wb, ctx_wb [active workers, rows]: the live
+  rows' tokens still to make and cached tokens (0 where a row is not live); pending: per active
+  worker its pending list in order, (input tokens left, input tokens already run, tokens it
+  makes after its first); chunk: input tokens a step per worker; step(rows_w, kv_w, chunk_w,
+  past_w) -> seconds (a StepCost's mixed_seconds).
+  A pending sequence whose input turns in at step j makes its first token there and is a live
+  row reading input + 1 + (t - j - 1) cached tokens in steps t = j+1 ... j + its tokens after
+  the first. The dispatch is cut where a row starts or stops and around each step in which a
+  sequence's input turns in: in between the rows are fixed, each worker runs `chunk` input
+  tokens a step (or none) from one sequence, and the rows' cached tokens and the chunk's prefix
+  grow by a fixed amount a step, so each piece is priced at its middle step as in
+  dispatch_seconds (exact where one bound gates the piece)."""
+  rem_wb = np.asarray(rem_wb, float)
+  ctx_wb = np.asarray(ctx_wb, float)
+  n = rem_wb.shape[0]
+  C = int(chunk)
+  steps = int(steps)
+  # rows as (worker, first step, end step, cached tokens at the first step)
+  iw, ib = np.nonzero(rem_wb > 0)
+  W, S, E, X = [iw], [np.zeros(len(iw))], [rem_wb[iw, ib]], [ctx_wb[iw, ib]]
+  cuts = {0, steps}
+  segs = []  # per worker: [(stream start, stream end, input tokens run before)]
+  total = np.zeros(n)
+  for w, lst in enumerate(pending):
+    end, mine = 0, []
+    for left, ran, after in lst:
+      a, end = end, end + int(left)
+      mine.append((a, end, int(ran)))
+      j = -(-end // C) - 1
+      cuts.update((j, j + 1))
+      if after > 0 and j + 1 < steps:
+        W.append(np.array([w]))
+        S.append(np.array([j + 1.0]))
+        E.append(np.array([j + 1.0 + after]))
+        X.append(np.array([float(ran + left + 1)]))
+    segs.append(mine)
+    total[w] = end
+  W_, S_, E_, X_ = (np.concatenate(v) for v in (W, S, E, X))
+  cuts.update(int(x) for x in S_)
+  cuts.update(int(x) for x in E_)
+  ends = sorted(c for c in cuts if 0 <= c <= steps)
+
+  def past(w: int, t: int) -> float:
+    lo_t, hi_t = t * C, min((t + 1) * C, total[w])
+    out = 0.0
+    for a, e, ran in segs[w]:
+      if e > lo_t and a < hi_t:
+        out += ran + max(lo_t, a) - a
+    return out
+
+  tot, a = 0.0, 0
+  for b in ends:
+    if b <= a:
+      continue
+    live = (S_ <= a) & (E_ > a)
+    mid = (a + b - 1) / 2.0
+    rows = np.bincount(W_[live], minlength=n).astype(float)
+    kv = np.bincount(W_[live], weights=X_[live] + mid - S_[live], minlength=n)
+    ch = np.clip(total - a * C, 0, C)
+    pw = np.array([(past(w, a) + past(w, b - 1)) / 2.0 if ch[w] else 0.0 for w in range(n)])
+    tot += (b - a) * step(rows, kv, ch, pw)
+    a = b
+  return tot
+
+
+def admission_chunk(cost: StepCost, max_chunk: int, rows: float, ctx_tokens: float,
+                    workers: int = 1, growth: float = 0.1) -> int:
+  """Admission decides how many prompt tokens a step takes: the most input tokens per worker,
+  up to `max_chunk` (the configured chunk), with which a step of `workers` workers, each holding
+  `rows` live rows of `ctx_tokens` cached tokens, takes at most (1 + growth) x the seconds of
+  the same step without them (and at least one token, so that prompts progress). Input tokens
+  that hide under a step's weight reads are free; past that, every token stretches the step
+  each live row waits for, which the rows pay in makespan, while a one-shot prefill would run
+  the same tokens at the same compute rate anyway. `growth` is that small stretch a step may
+  take. A step's seconds grow with its tokens, so the answer is found by bisection."""
+  if max_chunk < 1:
+    raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+  if growth < 0:
+    raise ValueError(f"growth must be >= 0, got {growth}")
+  n = max(1, int(workers))
+  r = np.full(n, float(rows))
+  kv = r * float(ctx_tokens)
+
+  def secs(c: int) -> float:
+    return cost.mixed_seconds(r, kv, np.full(n, float(c)), np.zeros(n))
+
+  limit = secs(0) * (1.0 + growth) * (1.0 + 1e-12)
+  lo, hi = 1, int(max_chunk)
+  if secs(hi) <= limit:
+    return hi
+  while lo < hi:  # the largest c with secs(c) <= limit, at least 1
+    mid = (lo + hi + 1) // 2
+    if secs(mid) <= limit:
+      lo = mid
+    else:
+      hi = mid - 1
+  return lo
 
 
 def admission_rows(cost: StepCost, max_rows: int, ctx_tokens: float) -> int:
@@ -95,6 +209,11 @@ class MeasuredStepCost:
 
   def prefill_seconds(self, prompt_w: np.ndarray) -> float:
     return self.decode_seconds(len(prompt_w))  # no prefill measured: a step of the group size
+
+  def mixed_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray, chunk_w: np.ndarray,
+                    past_w: np.ndarray) -> float:
+    del kv_w, chunk_w, past_w  # no mixed step measured: a step of the group size
+    return self.decode_seconds(len(rows_w))
 
 
 STEP_COSTS = ("auto", "measured", "steps")

@@ -18,6 +18,14 @@ Growth (`grow`): before each decode dispatch every live row must own pages for i
 tokens (capped at its limit). Where a worker's free pages do not cover the growth, its youngest
 row (the most recently admitted or migrated in) is preempted: its pages go back, and the caller
 queues the sequence at the front of its worker's queue, to be recomputed by a prefill later.
+
+Chunked prefill (policy.controller's module doc): an admitted sequence whose input has not all
+run yet (pending) owns a row like a live one. Admission allocates it pages for input + 1 tokens
+(its input: the prompt, and a resumed sequence's kept tokens), as a one-shot prefill does; the
+controller passes `grow` the tokens it kept as its generated count (0 for a fresh one), so it
+holds pages for its whole input + the dispatch's steps (it may turn live in the dispatch's
+first step and make a token in each), and it is preempted by the same rule, youngest first: a
+pending row was admitted last, so it usually goes first, and loses only its partial input.
 """
 
 from __future__ import annotations
@@ -262,7 +270,8 @@ class PagePool:
   def grow(self, generated: Mapping[tuple[int, int], int],
            steps: int) -> list[tuple[int, int, int]]:
     """Before a decode dispatch of `steps` steps: every live row (worker, slot) -> tokens it has
-    generated so far must own pages for prompt + generated + steps tokens (at most its limit).
+    generated so far must own pages for prompt + generated + steps tokens (at most its limit);
+    a chunked prefill's pending row counts the tokens it kept (module doc).
     Where a worker's free pages fall short, its youngest rows are preempted (pages freed) until
     the rest fit; returns the preempted (worker, slot, seq id), youngest first. The survivors
     grow oldest first."""

@@ -8,6 +8,12 @@ sub-millisecond range and lets the scheduler evaluate candidate placements by si
 Paged KV (`simulate(..., kv=PagePool)`): the B slots are the pool's max_seqs sequence rows and the
 controller admits, grows and preempts by pages; the executor only forgets a preempted sequence's
 row and resumes it at its next prefill.
+
+Chunked prefill (`simulate(..., prefill_chunk=C)`): the executor side of the controller's
+contract. Admitted sequences wait in per-worker pending lists (their slots reserved, not live);
+a dispatch works out from C at which step each one's input turns in, jumps to the first step at
+which a stop rule fires, as for live rows, and prices the mixed steps with the cost model's
+mixed_seconds (costs.mixed_dispatch_seconds).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ class SimExecutor:
   decode dispatch summed in closed form by costs.dispatch_seconds).
   migrate_cost(kv_bytes) -> seconds, shrink_cost(expert_moves) -> seconds (optional).
   expert_placement: an expert_placement.ExpertPlacement to report expert moves on shrink.
+  prefill_chunk: input tokens a decode step takes per worker (chunked prefill: sequences come in
+  by `admit`); 0 = one-shot prefill steps. With `step_cost` a mixed step is priced as a decode
+  step of its live rows (that model knows no input tokens).
   """
 
   def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,
@@ -41,7 +50,8 @@ class SimExecutor:
                step_cost: Callable[[str, int, int], float] | None = None,
                kv_bytes_per_token: int = 1, migrate_cost: Callable[[int], float] | None = None,
                expert_placement=None, expert_bytes: int = 0,
-               shrink_cost: Callable[[int], float] | None = None, cost=None):
+               shrink_cost: Callable[[int], float] | None = None, cost=None,
+               prefill_chunk: int = 0):
     self.seqs = {s.seq_id: s for s in seqs}
     self.slots_per_worker = B = int(slots_per_worker)
     self.num_workers = N = int(num_workers)
@@ -64,6 +74,13 @@ class SimExecutor:
     self.t = 0.0
     self.steps = 0
     self.resume = {}  # preempted seq id -> tokens generated before (paged KV)
+    if prefill_chunk < 0:
+      raise SimError(f'prefill_chunk must be >= 0, got {prefill_chunk}')
+    self.prefill_chunk = int(prefill_chunk)
+    # chunked prefill: per worker its pending list in order, [seq id, slot, input tokens left,
+    # input tokens run, tokens it had kept]; those slots are reserved in `pending_slot`
+    self.pend: list[list[list[int]]] = [[] for _ in range(N)]
+    self.pending_slot: set[tuple[int, int]] = set()
 
   def clock(self) -> float:
     return self.t
@@ -81,6 +98,8 @@ class SimExecutor:
     return sum(q >= 0 for w in self._active for q in self.slot_seq[w])
 
   def prefill(self, assign):
+    if self.prefill_chunk:
+      raise SimError('chunked prefill: sequences come in by admit, not prefill')
     ws = [w for w, _, _ in assign]
     if len(set(ws)) != len(ws) or not set(ws) <= set(self._active):
       raise SimError(f'prefill needs at most one seq per active worker: {assign}')
@@ -104,7 +123,34 @@ class SimExecutor:
       self.t += float(self.step_cost('prefill', len(self._active), self._live_slots() + len(out)))
     return out
 
+  def admit(self, assign):
+    """Chunked prefill: (worker, slot, seq id), any number per worker; no step runs."""
+    if not self.prefill_chunk:
+      raise SimError('admit needs prefill_chunk > 0')
+    for w, s, q in assign:
+      if w not in self._active or self.slot_seq[w][s] >= 0 or (w, s) in self.pending_slot:
+        raise SimError(f'admission of seq {q} into busy or inactive slot {(w, s)}')
+      g = self.resume.pop(q, 0)  # a preempted seq recomputes its g tokens
+      self.pend[w].append([q, s, self.seqs[q].prompt_len + g, 0, g])
+      self.pending_slot.add((w, s))
+
+  def pending_lists(self) -> list[list[tuple[int, int, int]]]:
+    """Per active worker its pending list as costs.mixed_dispatch_seconds takes it: (input
+    tokens left, input tokens run, tokens it makes after its first)."""
+    return [[(left, ran, self.length[q] - g - 1) for q, _, left, ran, g in self.pend[w]]
+            for w in self._active]
+
+  def _turns(self, w: int) -> list[int]:
+    """Step of the coming dispatch in which each of w's pending seqs' input turns in."""
+    out, end, C = [], 0, self.prefill_chunk
+    for ent in self.pend[w]:
+      end += ent[2]
+      out.append(-(-end // C) - 1)
+    return out
+
   def decode(self, max_steps, stop_on_refill, stop_on_idle):
+    if self.prefill_chunk:
+      return self._decode_chunked(max_steps, stop_on_refill, stop_on_idle)
     k = int(max_steps)
     any_live = False
     for i, w in enumerate(self._active):
@@ -147,10 +193,90 @@ class SimExecutor:
           gen[s] += k
     return k, out
 
+  def _decode_chunked(self, max_steps, stop_on_refill, stop_on_idle):
+    """decode() under chunked prefill: every row finishes at a known step (a pending one: its
+    input's turn-in step + its tokens after the first), and the stop rules count pending
+    rows as live (the controller's contract)."""
+    k = int(max_steps)
+    turns = {w: self._turns(w) for w in self._active}
+    fin_w = {}  # worker -> the step in which each of its rows (live or pending) finishes
+    for w in self._active:
+      f = [r - 1 for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0]
+      f += [j + self.length[e[0]] - e[4] - 1 for e, j in zip(self.pend[w], turns[w],
+                                                               strict=True)]
+      fin_w[w] = f
+    if not any(fin_w.values()):
+      return 0, []
+    for i, w in enumerate(self._active):
+      if not fin_w[w]:
+        continue
+      if stop_on_refill[i]:
+        k = min(k, min(fin_w[w]) + 1)  # a slot of w frees in this step
+      if stop_on_idle[i]:
+        k = min(k, max(fin_w[w]) + 1)  # w holds nothing after this step
+    k = min(k, max(max(f) for f in fin_w.values() if f) + 1)
+    if self.time_model is not None:
+      rem = np.array([[r if q >= 0 else 0 for q, r in zip(self.slot_seq[w], self.remaining[w],
+                                                          strict=True)] for w in self._active])
+      ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
+                       for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
+                      for w in self._active], float)
+      if any(self.pend[w] for w in self._active):
+        self.t += costs.mixed_dispatch_seconds(self.time_model.mixed_seconds, rem, ctx, k,
+                                               self.prefill_chunk, self.pending_lists())
+      else:
+        self.t += costs.dispatch_seconds(self.time_model.worker_step_seconds, rem, ctx, k)
+    elif self.step_cost is not None:
+      for j in range(k):
+        rows = sum(f >= j for w in self._active for f in fin_w[w][:self.num_live(w)])
+        rows += sum(t < j <= f for w in self._active
+                    for t, f in zip(turns[w], fin_w[w][self.num_live(w):], strict=True))
+        self.t += float(self.step_cost('decode', len(self._active), rows))
+    self.steps += k
+    out = []
+    for w in self._active:
+      row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
+      for s, q in enumerate(row):
+        if q < 0:
+          continue
+        if rem[s] <= k:
+          out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
+          row[s], rem[s] = -1, 0
+        else:
+          rem[s] -= k
+          gen[s] += k
+      budget, keep = k * self.prefill_chunk, []
+      for ent, j in zip(self.pend[w], turns[w], strict=True):
+        q, s, left, _, g = ent
+        take = min(left, budget)
+        budget -= take
+        if j >= k:  # its input not all in yet
+          ent[2] -= take
+          ent[3] += take
+          keep.append(ent)
+          continue
+        self.pending_slot.discard((w, s))
+        made = k - j  # its first token in step j, then one a step
+        if g + made >= self.length[q]:
+          out.append(Finish(q, w, s, self.length[q], self._reason(q)))
+        else:
+          row[s], gen[s], rem[s] = q, g + made, self.length[q] - g - made
+      self.pend[w] = keep
+    return k, out
+
+  def num_live(self, w: int) -> int:
+    return sum(q >= 0 for q in self.slot_seq[w])
+
   def preempt(self, slots):
-    """Paged KV: the sequences of these live (worker, slot)s leave; their next prefill resumes
-    them."""
+    """Paged KV, and chunked prefill's pending migrations: the sequences of these live or
+    pending (worker, slot)s leave; their next prefill (admission) resumes them."""
     for w, s in slots:
+      if (w, s) in self.pending_slot:  # its partial input goes; it keeps what it had kept
+        ent = next(e for e in self.pend[w] if e[1] == s)
+        self.pend[w].remove(ent)
+        self.pending_slot.discard((w, s))
+        self.resume[ent[0]] = ent[4]
+        continue
       q = self.slot_seq[w][s]
       if q < 0:
         raise SimError(f'preempt of free slot {(w, s)}')
@@ -161,7 +287,8 @@ class SimExecutor:
     total = 0
     for sw, ss, dw, ds in moves:
       q = self.slot_seq[sw][ss]
-      if q < 0 or self.slot_seq[dw][ds] >= 0 or dw not in self._active:
+      if (q < 0 or self.slot_seq[dw][ds] >= 0 or dw not in self._active
+          or (dw, ds) in self.pending_slot):
         raise SimError(f'bad migration {(sw, ss, dw, ds)}')
       total += (self.seqs[q].prompt_len + self.generated[sw][ss]) * self.kv_bytes_per_token
       for a in (self.slot_seq, self.remaining, self.generated):
@@ -175,7 +302,7 @@ class SimExecutor:
     gone = [w for w in self._active if w not in set(new_active)]
     if not set(new_active) <= set(self._active) or not new_active:
       raise SimError(f'shrink to {new_active} from {self._active}')
-    if any(q >= 0 for w in gone for q in self.slot_seq[w]):
+    if any(q >= 0 for w in gone for q in self.slot_seq[w]) or any(self.pend[w] for w in gone):
       raise SimError(f'shrink releases live slots on {gone}')
     stats: dict[str, Any] = dict(released=gone, expert_moves=0, expert_bytes_moved=0,
                                  seconds=0.0)
@@ -194,29 +321,33 @@ class SimExecutor:
 @overload
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
-             return_record: Literal[False] = False, kv=None, **executor_kw) -> dict: ...
+             return_record: Literal[False] = False, kv=None, prefill_chunk: int = 0,
+             **executor_kw) -> dict: ...
 
 
 @overload
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8, *,
-             return_record: Literal[True], kv=None,
+             return_record: Literal[True], kv=None, prefill_chunk: int = 0,
              **executor_kw) -> tuple[dict, RolloutRecord]: ...
 
 
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
-             return_record: bool = False, kv=None,
+             return_record: bool = False, kv=None, prefill_chunk: int = 0,
              **executor_kw) -> dict | tuple[dict, RolloutRecord]:
   """One simulated rollout -> accounting metrics (and the RolloutRecord if asked).
   kv: a policy.pages.PagePool (paged KV; slots_per_worker must be its max_seqs); its stats
-  (preemptions, peak pages, ...) join the metrics under 'kv'."""
+  (preemptions, peak pages, ...) join the metrics under 'kv'. prefill_chunk: chunked prefill's
+  input tokens per step per worker (0 = one-shot prefill steps)."""
   if kv is not None and kv.max_seqs != slots_per_worker:
     raise SimError(f'paged KV: slots_per_worker {slots_per_worker} != max_seqs {kv.max_seqs}')
-  ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, **executor_kw)
+  ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, prefill_chunk=prefill_chunk,
+                   **executor_kw)
   timed = executor_kw.get('step_cost') or executor_kw.get('cost')
   clock = ex.clock if timed else _step_clock(ex)
-  rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock, kv=kv)
+  rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock, kv=kv,
+            prefill_chunk=prefill_chunk)
   m = rec.metrics()
   if kv is not None:
     m['kv'] = kv.stats()

@@ -151,6 +151,7 @@ def main(argv=None) -> int:
         length_scale=F.length_scale, prompt_len=F.prompt_len, epochs=F.epochs, seed=seed,
         steps_per_dispatch=F.steps_per_dispatch, release_sizes=F.release_sizes,
         makespan_slack=F.makespan_slack, workload_name=F.workload, check_only=check_only,
+        prefill_chunk=F.prefill_chunk,
         **(dict(kv=F.kv, page_size=F.page_size, max_seqs=F.max_num_seqs,
                 kv_margin=F.kv_margin, kv_memory=F.kv_memory,
                 memory_utilization=F.memory_utilization) if F.kv != "slots" else {}))
@@ -190,6 +191,12 @@ def main(argv=None) -> int:
         f"seqs per device, median {w['median']:.0f} cap {w['cap']} tokens, prompt "
         f"{r0['prompt_len']}, {r0['steps_per_dispatch']} steps per dispatch, epoch {r0['epoch']} "
         f"(history of {r0['epoch']} epochs)")
+  if r0["prefill_chunk"]:
+    print(f"chunked prefill: at most {r0['prefill_chunk']} input tokens a step per worker, "
+          f"{r0['prefill_chunk_tokens']} taken (costs.admission_chunk on the roofline)")
+  else:
+    print("one-shot prefill: a prefill step admits one prompt per worker and stalls every live "
+          "row")
   if "kv" in r0:
     k = r0["kv"]
     source = (f"{F.memory_utilization:g} of device memory less each schedule's weights"
@@ -208,6 +215,11 @@ def main(argv=None) -> int:
             f"{k['static']['preemptions']}/{k['balanced']['preemptions']}/"
             f"{k['flexfloor']['preemptions']}{choice}")
   print(format_cluster_table(rows))
+  for r in rows:
+    n = [r[label]["prefill_only_steps_while_decoding"] for label in ("static", "balanced",
+                                                                       "flexfloor")]
+    print(f"  {r['devices']} devices: prefill-only steps while a row decodes static/balanced/"
+          f"flexfloor {n[0]}/{n[1]}/{n[2]} (summed over groups)")
   for r in rows:
     b = r["bound"]
     print(f"  {r['devices']} devices: lower bound: makespan {b['makespan_s']:.2f} s, occupied "
@@ -271,6 +283,10 @@ class SimFlags:
   makespan_slack: float = Num(0, 1, default=0.05, doc="flexfloor's makespan may exceed "
                               "balanced's predicted one by this fraction "
                               "(scheduler.makespan_slack)")
+  prefill_chunk: int = Int(0, default=0, doc="chunked prefill for every schedule: at most "
+                           "this many input tokens per worker ride in each decode step (the "
+                           "step-time model picks how many: policy/costs.py admission_chunk); "
+                           "0 = one-shot prefill steps, which stall every live row")
   kv: str = Choice(schema.choices_of(RolloutSettings, "kv"), default="slots",
                    doc="KV cache: 'slots' = slots_per_worker rows of the full length; 'paged' = "
                    "a page pool of the same bytes (policy/pages.py): concurrency from memory")

@@ -8,6 +8,14 @@ to the group's memory floor, deciding on the roofline's step seconds (the time-a
 across groups a group is released as a whole when its last sequence is done, while the static
 baseline holds every device until the batch's last response (synchronous rollout). Moving
 sequences between groups is not modelled.
+
+Chunked prefill (`prefill_chunk` C > 0): every run, the schedules and the oracles alike, admits
+by the controller's chunked contract, each step taking `costs.admission_chunk` input tokens per
+worker (at most C: the most a step takes before its roofline seconds grow by a tenth over the
+decode step). What decides the runs keeps its one-shot prefill terms: the cross-group split
+(`group_split`: a prefill step's lanes per sequence, and its seconds estimate simulating one-shot
+prefill) and the in-group placement and release estimates (policy.scheduler, policy.plan); only
+FlexFloor's floor choice replays its candidates chunked, as the runs go.
 """
 
 from __future__ import annotations
@@ -21,7 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from flexfloor_jax.policy import plan, prediction, release_policy, scheduler, stepsim, workload
+from flexfloor_jax.policy import (
+  costs,
+  plan,
+  prediction,
+  release_policy,
+  scheduler,
+  stepsim,
+  workload,
+)
 from flexfloor_jax.policy.controller import Seq
 from flexfloor_jax.policy.floor import FloorError, expert_slots, floor_workers
 from flexfloor_jax.policy.floor import release_sizes as allowed_sizes
@@ -90,15 +106,18 @@ def _cluster_metrics(groups: list[dict], hold_to_end: bool) -> dict:
               tokens_per_occupied_device_second=tokens / occ if occ else 0.0,
               idle_after_finish_fraction_seconds=idle / occ if occ else 0.0,
               generation_wall_s=end, throughput_tokens_per_s=tokens / end if end else 0.0,
-              worker_releases=sum(g["metrics"]["num_worker_releases"] for g in groups))
+              worker_releases=sum(g["metrics"]["num_worker_releases"] for g in groups),
+      prefill_only_steps_while_decoding=sum(
+          g["metrics"]["prefill_only_steps_while_decoding"] for g in groups))
 
 
 def _group_job(job):
   """One EP group's rollout (a top-level function: it runs in worker processes)."""
-  sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement = job[:14]
+  (sched, gs, hist, ep, B, floor, model, hw, spd, epoch, sizes, slack, ctx, placement,
+   chunk) = job[:15]
   kv = None
-  if len(job) > 14:  # paged KV: (pages per worker, page size, margin); B is max_seqs
-    num_pages, page_size, margin = job[14]
+  if len(job) > 15:  # paged KV: (pages per worker, page size, margin); B is max_seqs
+    num_pages, page_size, margin = job[15]
 
     width = max(pages_for(s.prompt_len + s.max_new_tokens, page_size) for s in gs)
 
@@ -109,7 +128,8 @@ def _group_job(job):
     kv = make_pool
   m, rec = replay(gs, None, hist, sched, ep, B, floor, cost=RooflineCost(model, hw), model=model,
                   steps_per_dispatch=spd, epoch=epoch, sizes=sizes, makespan_slack=slack,
-                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement, kv=kv)
+                  policy_cost=RooflineStepCost(model, hw, ctx), placement=placement, kv=kv,
+                  prefill_chunk=chunk)
   pool = m.pop("kv", None)
   rel = m.pop("releases", [])
   m["num_worker_releases"] = sum(len(r["workers"]) for r in rel if not r["final"])
@@ -253,7 +273,8 @@ def kv_pages(model: Model, hw: Hardware, expert_slots: int, workspace: int, page
 
 def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history, *, page_size: int,
                  max_seqs: int, margin: float, memory_utilization: float, max_seq_len: int,
-                 steps_per_dispatch: int, epoch: int, slack: float, ctx: float) -> dict:
+                 steps_per_dispatch: int, epoch: int, slack: float, ctx: float,
+                 prefill_chunk: int = 0) -> dict:
   """FlexFloor's floor on device memory: a floor of f workers preallocates ceil(E/f) expert slots
   and the move workspace on every device, which leaves fewer KV pages; a small floor releases
   more and holds fewer sequences at once. Each candidate (every feasible size that is a power of
@@ -261,7 +282,8 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
   (never the actual ones) on the roofline, balanced's placement with releases down to it; the
   pick holds the fewest occupied device-seconds among those whose makespan is within `slack` of
   the floor at ep (no release: balanced's memory) and whose makespan x device-seconds is no
-  more than the floor at ep's. Returns the pick, its pages and every candidate's terms."""
+  more than the floor at ep's. prefill_chunk: the runs' chunked prefill (0 = one-shot).
+  Returns the pick, its pages and every candidate's terms."""
   row = model.kv_bytes(max_seq_len)
   workspace = 2 * model.expert_bytes + 2 * row  # engine.memory.floor_terms: in-flight moves
   pred = prediction.predict(history, probe)
@@ -281,7 +303,8 @@ def choose_floor(model: Model, hw: Hardware, ep: int, probe: list[Seq], history,
     # balanced's placement with release: a floor is judged by what releasing to it saves, not
     # by a placement search per candidate (each search simulates hundreds of rollouts)
     m = _group_job(("flexfloor", guess, history, ep, max_seqs, f, model, hw, steps_per_dispatch,
-                    epoch, None, slack, ctx, "balanced", (pages, page_size, margin)))
+                    epoch, None, slack, ctx, "balanced", prefill_chunk,
+                    (pages, page_size, margin)))
     rows.append(dict(floor=f, expert_slots=expert_slots(model.experts, f), pages=pages,
                      workspace_bytes=workspace if f < ep else 0,
                      predicted_makespan_s=m["generation_wall_s"],
@@ -328,7 +351,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
                      page_size: int = 0,
                      max_seqs: int = 0, kv_margin: float = 0.0, kv_memory: str = "device",
                      memory_utilization: float = DEFAULT_MEMORY_UTILIZATION,
-                     workload_name: str = "default", check_only: bool = False) -> dict:
+                     workload_name: str = "default", check_only: bool = False,
+                     prefill_chunk: int = 0) -> dict:
   """Static vs balanced vs FlexFloor on `devices` devices (dp groups of ep workers) at epoch
   `epochs - 1`, the length history of the epochs before it (workload lengths) driving the
   scheduler. The workload is policy.workload's, scaled: seqs_per_device sequences per device
@@ -352,8 +376,12 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   DEFAULT_MAX_NUM_SEQS.
   kv_memory='slots': the fixed-slot cache's bytes for every schedule (slots_per_worker rows of
   prompt_len + cap tokens: the same floor); max_seqs 0 = 2 x slots_per_worker.
+  prefill_chunk: chunked prefill for every run, at most this many input tokens a step per
+  worker (the module doc); 0 = one-shot prefill steps.
   Where the group cannot hold the model (ep below its memory floor) GroupTooSmall, before any
   work; check_only: only these checks, returning devices, ep and the floor."""
+  if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+    raise ValueError(f"prefill_chunk must be an integer >= 0, got {prefill_chunk!r}")
   if kv not in ("slots", "paged"):
     raise ValueError(f"kv must be 'slots' or 'paged', got {kv!r}")
   if kv == "paged" and page_size < 1:  # the CLI passes --page_size (rollout.page_size's default)
@@ -399,16 +427,20 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
   # mean cached tokens a live sequence reads (decode)
   ctx = float(np.mean([s.prompt_len for s in seqs])) + spec.median / 2
   lanes_per_worker = slots_per_worker
+  if kv == "paged":
+    lanes_per_worker = max_seqs or (2 * slots_per_worker if kv_memory == "slots"
+                                    else DEFAULT_MAX_NUM_SEQS)
+  # chunked prefill: the input tokens a step takes, decided on the roofline at a full worker
+  chunk = (costs.admission_chunk(RooflineStepCost(model, hw, ctx), prefill_chunk,
+                                 lanes_per_worker, ctx, ep) if prefill_chunk else 0)
   paged: dict[str, tuple[int, int, float]] = {}  # schedule -> (pages, page size, margin)
   floors: dict[str, int] = {}
   floor_choice = None
   if kv == "paged":
     if kv_memory == "slots":
-      lanes_per_worker = max_seqs or 2 * slots_per_worker
       pages = equal_budget_pages(slots_per_worker, prompt_len + spec.cap, page_size)
       paged = dict.fromkeys(plan.SCHEDULES, (pages, page_size, kv_margin))
     else:
-      lanes_per_worker = max_seqs or DEFAULT_MAX_NUM_SEQS
       fixed = kv_pages(model, hw, expert_slots(model.experts, ep), 0, page_size,
                        memory_utilization)
       groups = devices // ep
@@ -418,7 +450,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
           model, hw, ep, [dataclasses.replace(seqs[i], seq_id=j) for j, i in enumerate(probe)],
           hist, page_size=page_size, max_seqs=lanes_per_worker, margin=kv_margin,
           memory_utilization=memory_utilization, max_seq_len=prompt_len + spec.cap,
-          steps_per_dispatch=steps_per_dispatch, epoch=last, slack=makespan_slack, ctx=ctx)
+          steps_per_dispatch=steps_per_dispatch, epoch=last, slack=makespan_slack, ctx=ctx,
+          prefill_chunk=chunk)
       floor = floor_choice["floor"]
       paged = {"static": (fixed, page_size, kv_margin), "balanced": (fixed, page_size, kv_margin),
                "flexfloor": (floor_choice["pages"], page_size, kv_margin)}
@@ -448,7 +481,8 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       labels.append(label)
       jobs.append((sched, [dataclasses.replace(ss[i], seq_id=j) for j, i in enumerate(g)],
                    hh, ep, lanes_per_worker, floors.get(sched, floor), model, hw,
-                   steps_per_dispatch, last, sizes, inner_slack, ctx, inner_placement) + extra)
+                   steps_per_dispatch, last, sizes, inner_slack, ctx, inner_placement, chunk)
+                  + extra)
   procs = min(processes if processes is not None else (os.cpu_count() or 1), len(jobs))
   if procs > 1:  # one group too: its five runs (the schedules and the oracles) are separate jobs
     mp = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
@@ -471,7 +505,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
       [lengths[s.seq_id] for s in seqs], [s.prompt_len for s in seqs],
       RooflineStepCost(model, hw, ctx), max_workers=ep, max_seqs=lanes_per_worker,
       min_workers=floor_workers(model.experts, model.expert_bytes, model.nonexpert_bytes, 0,
-                                int(hw.hbm_bytes), ep))
+                                int(hw.hbm_bytes), ep), prefill_chunk=chunk)
   # a bound is a bound: no run, oracle policies included, beats it. Asserted on the roofline,
   # whose steps are monotone in rows and cached tokens (bounds' premises); a measured step table
   # interpolates between measurements and need not be
@@ -492,6 +526,7 @@ def simulate_cluster(model: Model, hw: Hardware, devices: int, *, ep: int = 0,
               floor=floor, epoch=last, workload=dataclasses.asdict(spec), prompt_len=prompt_len,
               slots_per_worker=slots_per_worker, steps_per_dispatch=steps_per_dispatch,
               release_sizes=list(sizes) if sizes else None, makespan_slack=makespan_slack,
+              prefill_chunk=prefill_chunk, prefill_chunk_tokens=chunk,
               cost_model=RooflineStepCost(model, hw, ctx).name,
               static=s, balanced=out["balanced"], flexfloor=out["flexfloor"], ratio=ratio,
               ratio_balanced=ratio_balanced, oracle_balanced=out["oracle_balanced"],

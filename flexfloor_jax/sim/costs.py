@@ -11,6 +11,14 @@ Roofline (`RooflineCost`), one SPMD step on an EP group of n active workers:
   all_to_all:   t_a2a = max_w (dispatch + combine bytes leaving w) / interconnect bandwidth
                         + 2 collectives x layers x collective latency        (0 when n = 1)
   step time   = fixed step overhead + max_w t_w + t_a2a
+A mixed step (chunked prefill: `mixed_seconds`) runs, beside each worker's live rows, c_w input
+tokens whose sequences hold p_w tokens before them: its new tokens are rows + c_w (dense FLOPs,
+routed copies, the experts the step's tokens touch and the all_to_all all grow with them), it
+reads the chunk's prefix and the chunk's own KV (p_w + c_w tokens) beside the rows' caches, and
+the chunk's causal attention is c_w x p_w + c_w^2 / 2 token-context products (exact for a chunk
+within one sequence, an upper bound for one spanning several). With no input tokens it is the
+decode step; with no live rows and p_w = 0 the one-shot prefill step of c_w tokens (but for
+a sliding window's read, which a prefill step bounds by its tokens' windows).
 Memory/compute of a worker overlap (max); the all_to_all does not overlap them (sum): in a decode
 step the expert matmul of a layer needs its dispatched tokens and the next layer needs the
 combined output, so nothing is left to hide it behind. The slowest worker gates the SPMD step
@@ -70,6 +78,46 @@ class RooflineCost:
       t += float(a2a.max()) / hw.link_bw + 2 * m.layers * hw.collective_latency_s
     return t
 
+  def mixed_seconds(self, experts_held: np.ndarray, rows: np.ndarray, kv: np.ndarray,
+                    chunk: np.ndarray, past: np.ndarray) -> float:
+    """A decode step of `rows` live rows reading `kv` cached tokens per active worker in which
+    each worker also runs `chunk` input tokens whose sequences hold `past` tokens before them
+    (module doc). A measured step table prices the decode part; the input tokens add what
+    they add on the roofline."""
+    rows, kv = np.asarray(rows, float), np.asarray(kv, float)
+    chunk, past = np.asarray(chunk, float), np.asarray(past, float)
+    if not chunk.any():
+      return self.step_seconds(experts_held, rows, kv)
+    m, hw = self.model, self.hw
+    n = len(experts_held)
+    tokens = rows + chunk
+    T = float(tokens.sum())
+    segs = (chunk > 0).astype(float)  # the chunk's sequences, for the sliding window's read
+    bytes_kv = m.kv_read_bytes(rows, kv) + m.kv_read_bytes(segs, past + chunk)
+    attn = kv + chunk * past + chunk * chunk / 2
+    t_w = self._worker_seconds(experts_held, tokens, T, bytes_kv, attn)
+    if hw.step_table is not None:  # measured decode, plus what the input tokens add
+      decode = self._worker_seconds(experts_held, rows, float(rows.sum()),
+                                    m.kv_read_bytes(rows, kv), kv)
+      t_w = hw.step_table.worker_seconds(m, experts_held, rows, kv) + np.maximum(t_w - decode,
+                                                                                 0.0)
+    t = hw.step_overhead_s + float(t_w.max())
+    if n > 1:
+      a2a = 2.0 * m.layers * tokens * m.top_k * m.hidden * m.dtype_bytes * (n - 1) / n
+      t += float(a2a.max()) / hw.link_bw + 2 * m.layers * hw.collective_latency_s
+    return t
+
+  def _worker_seconds(self, experts_held, tokens, T: float, kv_bytes, attn) -> np.ndarray:
+    """Per worker max(bytes / HBM, FLOPs / peak) of a step whose group runs T new tokens, the
+    worker `tokens` of them, reading `kv_bytes` of KV for `attn` token-context products."""
+    m, hw = self.model, self.hw
+    hit = 1.0 - (1.0 - m.top_k / m.experts) ** T
+    bytes_w = m.nonexpert_read_bytes + experts_held * hit * m.expert_bytes + kv_bytes
+    routed = T * m.top_k * experts_held / m.experts
+    flops_w = (2.0 * tokens * m.nonexpert_read_params + 2.0 * routed * m.expert_params
+               + m.attn_flops_per_ctx_token * attn)
+    return np.maximum(bytes_w / hw.hbm_bw, flops_w / hw.peak_flops)
+
   @property
   def p2p_bw(self) -> float:
     return self.hw.p2p_bw or self.hw.link_bw
@@ -122,6 +170,10 @@ class RooflineStepCost:
     tok = np.asarray(prompt_w, float)
     # causal attention over the prompt: ~P^2/2 token-context products; KV read = the prompt
     return self.roof.step_seconds(self._held(len(tok)), tok, tok, tok * tok / 2)
+
+  def mixed_seconds(self, rows_w: np.ndarray, kv_w: np.ndarray, chunk_w: np.ndarray,
+                    past_w: np.ndarray) -> float:
+    return self.roof.mixed_seconds(self._held(len(rows_w)), rows_w, kv_w, chunk_w, past_w)
 
 
 def named_step_cost(text: str, seqs) -> RooflineStepCost:
@@ -180,6 +232,8 @@ def _dispatch_rows(tl: accounting.Timeline, expert_slots: int):
       for j in range(r["start"], r["start"] + k):
         slot_steps += live
         live -= fin_at.get(j, 0)
+      if r.get("chunk"):  # chunked prefill: rows also turn live inside the dispatch
+        slot_steps = int(accounting.dispatch_steps(tl, r)["rows"].sum())
       x.update(decode_dispatch=1.0, decode_step=k, decode_step_worker=k * n,
                decode_step_worker_slot=k * n * S, decode_slot_step=slot_steps)
     else:

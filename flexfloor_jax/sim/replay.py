@@ -6,6 +6,12 @@ placement from `policy.scheduler` and the release policy from `policy.release_po
 exactly as `runner.run` chooses them (`plan.plan_rollout`). With the same sequences and lengths the
 simulated device_steps therefore equal the engine's (tests/sim/test_sim.py checks it against real
 rollouts).
+
+Chunked prefill (`replay(..., prefill_chunk=C)`): the controller runs the mode the engine ran,
+and a dispatch's mixed steps are priced from the input tokens each worker runs in each of them
+(the pending lists the timeline records at each dispatch: costs.mixed_dispatch_seconds over
+the cost model's mixed_seconds). The `cpu` preset (LinearCost) was fitted on one-shot runs and
+has no input-token term: it prices a mixed step as the decode step of its rows.
 """
 
 from __future__ import annotations
@@ -29,10 +35,11 @@ class CostExecutor(stepsim.SimExecutor):
   and the engine's."""
 
   def __init__(self, seqs, num_workers, slots_per_worker, lengths=None, *, cost=None,
-               expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0):
+               expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0,
+               prefill_chunk: int = 0):
     super().__init__(seqs, num_workers, slots_per_worker, lengths,
                      kv_bytes_per_token=kv_bytes_per_token, expert_placement=expert_placement,
-                     expert_bytes=expert_bytes)
+                     expert_bytes=expert_bytes, prefill_chunk=prefill_chunk)
     self.cost = cost
 
   def clock(self) -> float:
@@ -79,14 +86,24 @@ class CostExecutor(stepsim.SimExecutor):
       return super().decode(max_steps, stop_on_refill, stop_on_idle)
     rem, ctx = self._ctx_matrix()
     held = self._experts_held()
+    pend = self.pending_lists() if self.prefill_chunk else []
     k, out = super().decode(max_steps, stop_on_refill, stop_on_idle)
     if k <= 0:
       return k, out
     if isinstance(c, LinearCost):
       slot_steps = float(np.minimum(rem, k).sum())
+      for lst in pend:  # rows that turn live inside the dispatch
+        end = 0
+        for left, _, after in lst:
+          end += left
+          slot_steps += min(max(0, k - (-(-end // self.prefill_chunk))), after)
       n, S = len(held), self._expert_slots()
       self.t += (c.decode_dispatch + k * c.decode_step + k * n * c.decode_step_worker
                  + k * n * S * c.decode_step_worker_slot + slot_steps * c.decode_slot_step)
+    elif any(pend):  # chunked prefill: mixed steps, from the input tokens each worker runs
+      self.t += costs.mixed_dispatch_seconds(
+          lambda rows, kv, ch, past: c.mixed_seconds(held, rows, kv, ch, past), rem, ctx, k,
+          self.prefill_chunk, pend)
     else:  # closed form over the intervals in which no row finishes
       self.t += costs.dispatch_seconds(lambda rows, kv: c.step_seconds(held, rows, kv), rem, ctx,
                                        k)
@@ -128,7 +145,7 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
            model: Model | None = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0,
            num_experts: int | None = None, sizes=None, makespan_slack: float = 0.05,
-           policy_cost=None, step_cost: str = "measured", kv=None):
+           policy_cost=None, step_cost: str = "measured", kv=None, prefill_chunk: int = 0):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
   (`preallocated_slots`: what the runner preallocates).
@@ -138,7 +155,9 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
   `history`, 'steps' = device-steps alone.
   `kv`: paged KV, (predicted lengths by seq id) -> a fresh policy.pages.PagePool whose max_seqs is
   `slots_per_worker`; the placement is simulated on it and the rollout runs on one (its stats in
-  the metrics under 'kv')."""
+  the metrics under 'kv').
+  `prefill_chunk`: the run's chunked prefill (input tokens a step per worker; 0 = one-shot
+  prefill steps), priced step by step from the input tokens each worker runs."""
   queues, policy, pred = plan.plan_rollout(
       seqs, history, schedule, num_workers, slots_per_worker, floor,
       steps_per_dispatch=steps_per_dispatch, placement=placement, compaction=compaction,
@@ -149,10 +168,11 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
   pl = ExpertPlacement.initial(E, list(range(num_workers)), slots, num_workers=num_workers)
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
-                    expert_bytes=model.expert_bytes if model else 0)
+                    expert_bytes=model.expert_bytes if model else 0,
+                    prefill_chunk=prefill_chunk)
   pool = kv(pred) if kv is not None else None
   rec = controller.run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch,
-                       clock=ex.clock, kv=pool)
+                       clock=ex.clock, kv=pool, prefill_chunk=prefill_chunk)
   m = rec.metrics()
   if pool is not None:
     m["kv"] = pool.stats()

@@ -46,6 +46,8 @@ def test_cli_mixtral_8x7b_tpu_v5p_64_devices(tmp_path):
     ("--seeds=1,1", "--seeds", "repeat"),
     ("--seeds=-2", "--seeds", "-2"),
     ("--memory_utilization=1.5", "--memory_utilization", "1.5"),
+    ("--prefill_chunk=-1", "--prefill_chunk", "-1"),
+    ("--prefill_chunk=2.5", "flag --prefill_chunk", "2.5"),
     (("--workload=grpo_trace", "--seeds=0,19"), "--seeds", "seed 19"),  # 20 epochs recorded
     # a group of 8 H100s cannot hold DeepSeek-V3: refused with its floor, before any run
     (("--model=deepseek-v3", "--hardware=h100", "--devices=64"), "--ep", "memory floor is 32"),
