@@ -150,7 +150,8 @@ def _measure(c, res, before, seqs, k: int, model, hw) -> tuple[dict, dict]:
   kw: dict[str, Any] = dict(
       steps_per_dispatch=c.rollout.steps_per_dispatch, placement=c.scheduler.placement,
       compaction=c.scheduler.compaction, epoch=k, sizes=s.get("release_sizes"),
-      makespan_slack=c.scheduler.makespan_slack, step_cost=s.get("step_cost", "measured"))
+      makespan_slack=c.scheduler.makespan_slack, step_cost=s.get("step_cost", "measured"),
+      prefill_chunk=s.get("prefill_chunk", 0))
   if kw["step_cost"].startswith("roofline:"):  # the run decided in the named pair's seconds
     kw["policy_cost"] = costs.named_step_cost(kw["step_cost"], seqs)
   if paged(s):

@@ -119,6 +119,12 @@ class RolloutSettings:
                       doc="paged: pages per worker; 0 = the fixed-slot cache's bytes")
   kv_margin: float = Num(default=0.25, doc="paged: admission reserves predicted length x "
                          "(1 + margin)")
+  prefill_chunk: int = Int(0, default=0, note=" (0 = prefill steps apart)",
+                           doc="chunked prefill: input tokens a decode step takes per worker "
+                           "(vLLM's chunked prefill); 0 = one-shot prefill steps")
+  max_prefill_chunk: int = Int(0, default=0, note=" (0 = rollout.prefill_chunk)",
+                               doc="the compiled bound of prefill_chunk: runs with chunks up to "
+                               "it share their executables and their tokens")
 
   @property
   def max_seqs(self) -> int:
@@ -129,6 +135,12 @@ class RolloutSettings:
   def lanes(self) -> int:
     """Sequences a worker runs at once: its decode slots, or (paged KV) its sequence rows."""
     return self.max_seqs if self.kv == "paged" else self.slots_per_worker
+
+  @property
+  def prefill_rows(self) -> int:
+    """Chunked prefill: the query rows for input tokens a step compiles beside its decode rows
+    (max_prefill_chunk, 0 resolved); 0 = one-shot prefill."""
+    return (self.max_prefill_chunk or self.prefill_chunk) if self.prefill_chunk else 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -415,9 +427,25 @@ def load(config, entry: str = "rollout") -> Settings:
       ro.kv_pages < pages_for(m.max_seq_len, ro.page_size)):
     raise ConfigError(f"rollout.kv_pages={ro.kv_pages} of rollout.page_size={ro.page_size} "
                       f"tokens cannot hold one sequence of model.max_seq_len={m.max_seq_len}")
+  check_chunk(ro)
   for name in ENTRIES[entry]:
     parts[name] = SECTIONS[name](config, parts)
   return Settings(preset=preset, schedule=schedule, **parts)
+
+
+def check_chunk(ro: RolloutSettings) -> None:
+  """Chunked prefill: a chunk of at least one page (a step's input tokens fill whole pages of
+  the pool) and at most the compiled bound."""
+  c, bound = ro.prefill_chunk, ro.max_prefill_chunk
+  if c and c < ro.page_size:
+    raise ConfigError(f"rollout.prefill_chunk={c} is below one page (rollout.page_size="
+                      f"{ro.page_size}); 0 turns chunked prefill off")
+  if c and bound and c > bound:
+    raise ConfigError(f"rollout.prefill_chunk={c} exceeds its compiled bound "
+                      f"rollout.max_prefill_chunk={bound}")
+  if bound and not c:
+    raise ConfigError(f"rollout.max_prefill_chunk={bound} without rollout.prefill_chunk: set "
+                      "the chunk too, or 0 for both")
 
 
 def check_cache(ro: RolloutSettings, max_seq_len: int, prompt_len: int | None = None,

@@ -87,6 +87,12 @@ class Engine:
     self._tables: np.ndarray | None = None  # page tables the device last got [W, B, M]
     self._kept: dict[int, tuple[list, list]] = {}  # preempted seq -> (tokens, logprobs) so far
     self.preemptions = 0
+    # chunked prefill (spec.chunked): input tokens a step takes per worker (at most
+    # spec.prefill_rows; the controller's prefill_chunk), and each worker's admitted sequences
+    # whose input is not all in yet, in the order the steps take it: [slot, seq id, input tokens,
+    # tokens taken, tokens it had made before (a resumed sequence)]
+    self.prefill_chunk = spec.prefill_rows
+    self._pending: dict[int, list[list]] = {}
 
   # -- setup
   @property
@@ -143,6 +149,8 @@ class Engine:
   def prefill(self, assign: Sequence[tuple[int, int, int]]) -> list[Finish]:
     """Insert sequences (worker, decode slot, seq id), at most one per worker: one prefill step
     that also samples each one's first token."""
+    if self.spec.chunked:
+      raise ValueError("chunked prefill (spec.prefill_rows > 0): sequences come in by admit")
     self._migrate_t0 = None  # a migration without a release
     workers = [w for w, _, _ in assign]
     if len(set(workers)) != len(workers):
@@ -175,15 +183,81 @@ class Engine:
       self._first_output_on_new_mesh(self.state)
     return self._read_finishes()
 
+  def admit(self, assign: Sequence[tuple[int, int, int]]):
+    """Chunked prefill: sequences (worker, decode slot, seq id) into free slots, any number per
+    worker. Nothing runs: each one's input (its prompt; a resumed sequence's prompt + the tokens
+    it had made) joins the end of its worker's queue, which the next decode steps take
+    `prefill_chunk` tokens at a time (policy.controller's contract)."""
+    if not self.spec.chunked:
+      raise ValueError("admit needs an engine with chunked prefill (spec.prefill_rows > 0)")
+    self._migrate_t0 = None
+    for w, s, sid in assign:
+      if (w, s) in self._seq_in_slot:
+        raise ValueError(f"admission of seq {sid} into busy slot {(w, s)}")
+      kept = self._kept.get(sid, ([], []))[0]
+      toks = np.concatenate([self.seqs[sid].tokens, np.asarray(kept, np.int32)]).astype(np.int32)
+      self._pending.setdefault(w, []).append([s, sid, toks, 0, len(kept)])
+      self._seq_in_slot[(w, s)] = sid
+
+  def _queue(self, max_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each active worker's queue for a dispatch: its pending input tokens in order, up to
+    spec.prefill_queue ([n, prefill_queue, len(QUEUE_COLS)], entries per worker)."""
+    qlen, c = self.spec.prefill_queue, self.prefill_chunk
+    col = {name: i for i, name in enumerate(state_lib.QUEUE_COLS)}
+    queue = np.zeros((len(self.active), qlen, len(col)), np.int32)
+    queued = np.zeros((len(self.active),), np.int32)
+    for p, w in enumerate(self.active):
+      k = 0
+      for s, sid, toks, done, gen in self._pending.get(w, []):
+        take = min(len(toks) - done, qlen - k)
+        q, rows = self.seqs[sid], slice(k, k + take)
+        pos = np.arange(done, done + take)
+        for name, val in (("token", toks[done:done + take]), ("slot", s), ("position", pos),
+                          ("last", pos == len(toks) - 1), ("limit", q.limit),
+                          ("stop_eos", q.stop_eos), ("phash", q.phash), ("sample", q.sample),
+                          ("generated", gen)):
+          queue[p, rows, col[name]] = val
+        k += take
+        if k == qlen:
+          if max_steps * c > qlen:
+            raise ValueError(f"a dispatch of {max_steps} steps of {c} input tokens needs a queue "
+                             f"of {max_steps * c} entries; spec.prefill_queue is {qlen}")
+          break
+      queued[p] = k
+    return queue, queued
+
+  def _take(self, steps: int):
+    """The input the dispatch's `steps` steps took: `prefill_chunk` tokens a step per worker,
+    in queue order; a sequence whose input is all in leaves the queue (its slot is live, or it
+    has finished)."""
+    for w in list(self._pending):
+      budget = steps * self.prefill_chunk
+      rest = []
+      for ent in self._pending[w]:
+        take = min(len(ent[2]) - ent[3], budget)
+        ent[3] += take
+        budget -= take
+        if ent[3] < len(ent[2]):
+          rest.append(ent)
+      self._pending[w] = rest
+
+  def _pending_slots(self) -> set[tuple[int, int]]:
+    return {(w, ent[0]) for w, lst in self._pending.items() for ent in lst}
+
   def decode(self, max_steps: int, stop_on_refill, stop_on_idle) -> tuple[int, list[Finish]]:
-    """Up to `max_steps` decode steps on all active workers (stop masks by worker position)."""
+    """Up to `max_steps` decode steps on all active workers (stop masks by worker position);
+    chunked prefill: each step also takes its workers' next input tokens."""
     self._migrate_t0 = None
     ss = self.stepset
     tables = self._page_tables()[self.active] if self.spec.paged else None
 
     def host(k):
-      return ss.put_host(state_lib.decode_host(k, stop_on_refill, stop_on_idle, tables,
-                                               self.spec.sampling.temperature), self.e2s)
+      queue = queued = None
+      if self.spec.chunked:
+        queue, queued = self._queue(k)
+      return ss.put_host(state_lib.decode_host(
+          k, stop_on_refill, stop_on_idle, tables, self.spec.sampling.temperature, queue=queue,
+          queued=queued, chunk=self.prefill_chunk, seed=self.seed, epoch=self.epoch), self.e2s)
 
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
@@ -194,6 +268,7 @@ class Engine:
       steps, counts = self._read(steps, counts)
       self.expert_counts += counts
       total = int(steps)
+      self._take(total)
       finishes = self._read_finishes()
       live = {w for w, _ in self._seq_in_slot}
       if total == 0 or max_steps == 1 or dispatch_stops(
@@ -203,6 +278,7 @@ class Engine:
     self.state, steps, counts = ss["decode"](self.rest, self.experts, self.state, host(max_steps))
     steps, counts = self._read(steps, counts)
     self.expert_counts += counts
+    self._take(int(steps))
     return total + int(steps), finishes + self._read_finishes()
 
   def _first_output_on_new_mesh(self, out):
@@ -220,8 +296,9 @@ class Engine:
     live = scalars[:, state_lib.SCALAR_COLS.index("live")]
     n_gen = scalars[:, state_lib.SCALAR_COLS.index("n_gen")]
     b = self.spec.slots_per_worker
+    pending = self._pending_slots()  # admitted, input not all in: not live yet, not finished
     done = [(w, s, sid) for (w, s), sid in self._seq_in_slot.items()
-            if not live[self._pos(w) * b + s]]
+            if not live[self._pos(w) * b + s] and (w, s) not in pending]
     if not done:
       return []
     toks, lps = self._read(self.state.out_tokens, self.state.out_logprobs)
@@ -258,8 +335,12 @@ class Engine:
                                      self.state.out_logprobs)
     scalars = np.array(scalars)
     b, col = self.spec.slots_per_worker, state_lib.SCALAR_COLS
+    pending = self._pending_slots()
     for w, s in slots:
       sid = self._seq_in_slot.pop((w, s))
+      if (w, s) in pending:  # its input not all in: not live, and it keeps what it had kept
+        self._pending[w] = [e for e in self._pending[w] if e[0] != s]
+        continue
       row = self._pos(w) * b + s
       k = int(scalars[row, col.index("n_gen")])
       self._kept[sid] = self._merged(sid, toks[row, :k], lps[row, :k])
@@ -273,6 +354,10 @@ class Engine:
     """Move live sequences (src_worker, src_slot, dst_worker, dst_slot); returns KV bytes sent."""
     if not moves:
       return 0
+    pending = self._pending_slots()
+    if any((sw, ss) in pending for sw, ss, _, _ in moves):
+      raise ValueError("a sequence whose input is not all in moves as a preemption, not a "
+                       f"migration: {[m for m in moves if (m[0], m[1]) in pending]}")
     self._migrate_t0 = time.perf_counter()  # the release that follows is timed from here
     page_moves = None
     if self.spec.paged:

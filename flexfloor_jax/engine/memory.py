@@ -55,26 +55,27 @@ def _nbytes(tree) -> int:
 
 
 @functools.lru_cache(maxsize=64)  # eval_shape traces: a rollout asks for the same config again
-def kv_bytes(model_cfg, max_seq_len: int) -> tuple[int, int]:
+def kv_bytes(model_cfg, max_seq_len: int, chunk: int = 1) -> tuple[int, int]:
   """(bytes per token of the layers that keep every position, bytes of one sequence row's rings:
   the sliding layers' windows) of a cache of max_seq_len positions, from the shapes of one row of
   the engine's cache (transformer.KVCache.zeros, its layout as the engine allocates it). A
   fixed-slot row holds max_seq_len x the first + the second; a paged pool pages the first and
-  keeps the second per sequence row."""
-  row = jax.eval_shape(lambda: tfm.KVCache.zeros(model_cfg, 1, max_seq_len))
+  keeps the second per sequence row. `chunk`: chunked prefill's query rows per step (a ring
+  then holds window + chunk - 1 positions)."""
+  row = jax.eval_shape(lambda: tfm.KVCache.zeros(model_cfg, 1, max_seq_len, chunk=chunk))
   rings = (row.k_ring, row.v_ring) if row.k_ring is not None else ()
   return _nbytes((row.k, row.v)) // max_seq_len, _nbytes(rings)
 
 
 def floor_terms(model_cfg, slots_per_worker: int, max_seq_len: int, max_new_tokens: int,
-                record_routes: bool = False) -> FloorTerms:
+                record_routes: bool = False, chunk: int = 1) -> FloorTerms:
   """The terms from the shapes of the model's parameters and of the engine's per-worker arrays."""
   # shapes without tracing (the runner computes the floor before every input check has passed);
   # tests/model/test_presets.py checks them against jax.eval_shape of the init
   params = tfm.param_shapes(model_cfg)
   rest, experts = engine_lib.split_params(params)
   expert = _nbytes(experts) // model_cfg.num_experts
-  per_token, rings = kv_bytes(model_cfg, max_seq_len)
+  per_token, rings = kv_bytes(model_cfg, max_seq_len, chunk)
   kv_row = per_token * max_seq_len + rings
   state = engine_lib.state_bytes_per_worker(model_cfg, slots_per_worker, max_seq_len,
                                             max_new_tokens, record_routes)

@@ -51,8 +51,19 @@ class EngineSpec:
   # paged decode attention: 'xla' (flexfloor_jax.kernels.paged_attention's reference) | 'pallas'
   # (JAX's paged-attention kernels; interpreted on CPU)
   attention_backend: str = "xla"
+  # Chunked prefill (prefill_rows > 0): a decode step runs, beside its B decode rows,
+  # `prefill_rows` query rows of input tokens from each worker's queue (sequences admitted into
+  # free slots, their prompts taken a chunk per step), and no step is a prefill step; a dispatch
+  # takes its queue of at most `prefill_queue` entries per worker. 0: one-shot prefill steps.
+  prefill_rows: int = 0
+  prefill_queue: int = 0
 
   def __post_init__(self):
+    if self.prefill_rows < 0 or (self.prefill_queue < self.prefill_rows if self.prefill_rows
+                                 else self.prefill_queue != 0):
+      raise ValueError(f"EngineSpec: prefill_rows ({self.prefill_rows}) must be >= 0, and "
+                       f"prefill_queue ({self.prefill_queue}) at least prefill_rows when it is "
+                       "> 0, else 0")
     if self.kv not in ("slots", "paged"):
       raise ValueError(f"EngineSpec.kv must be 'slots' or 'paged', got {self.kv!r}")
     if self.kv == "paged" and min(self.page_size, self.num_pages) < 1:
@@ -72,6 +83,11 @@ class EngineSpec:
   @property
   def paged(self) -> bool:
     return self.kv == "paged"
+
+  @property
+  def chunked(self) -> bool:
+    """Chunked prefill: input tokens ride in decode steps (prefill_rows > 0)."""
+    return self.prefill_rows > 0
 
   @property
   def pages_per_seq(self) -> int:

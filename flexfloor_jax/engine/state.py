@@ -143,7 +143,8 @@ def state_shapes(spec, n: int) -> DecodeState:
   """DecodeState of ShapeDtypeStructs for n workers (`spec`: an EngineSpec, or anything with its
   cfg, slots_per_worker, max_seq_len, max_new_tokens and record_routes)."""
   cfg, nb = spec.cfg, n * spec.slots_per_worker
-  lay = tfm.kv_layout(cfg, spec.max_seq_len)
+  # chunked prefill: a sliding layer's ring holds a chunk more than its window (kv_layout)
+  lay = tfm.kv_layout(cfg, spec.max_seq_len, chunk=max(1, getattr(spec, "prefill_rows", 0)))
   nf, dt = len(lay.full_layers), tfm.dtype_of(cfg)
   heads, kd, vd = cfg.kv_dims()  # MLA: k holds the latent, v the RoPE key (other widths)
   if getattr(spec, "kv", "slots") == "paged":
@@ -190,8 +191,18 @@ def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new
 # than a compiled constant, so that a rollout at another temperature reuses the executables.
 PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch",
                 "generated", "temperature")
-# Decode rows: DECODE_COLS, then (paged KV) the page tables of the worker's B rows.
-DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle", "temperature")
+# Decode rows: DECODE_COLS, then (chunked prefill: spec.prefill_queue > 0) the worker's queue of
+# input tokens, prefill_queue entries of QUEUE_COLS, then (paged KV) the page tables of the
+# worker's B rows. `chunk`: the input tokens a step takes from the queue (at most
+# spec.prefill_rows), `queued`: the queue's entries; `seed`, `epoch`: the sequence keys' inputs.
+DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle", "temperature", "chunk", "queued",
+               "seed", "epoch")
+# A queue entry: one input token of a sequence being prefilled into decode slot `slot` at
+# `position`; `last` marks its sequence's last input token, whose step samples the sequence's
+# token number `generated` (0, or the tokens a resumed sequence had made) and makes the slot live
+# with `limit`, `stop_eos` and the key of (`phash`, `sample`).
+QUEUE_COLS = ("token", "slot", "position", "last", "limit", "stop_eos", "phash", "sample",
+              "generated")
 
 
 def temperature_bits(temperature: float) -> int:
@@ -232,13 +243,21 @@ def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple
 
 
 def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None,
-                temperature: float = 1.0) -> np.ndarray:
-  """Host inputs of one decode dispatch: the masks are per worker position; `tables` (paged KV)
+                temperature: float = 1.0, queue=None, queued=None, chunk: int = 0,
+                seed: int = 0, epoch: int = 0) -> np.ndarray:
+  """Host inputs of one decode dispatch: the masks are per worker position; `queue` (chunked
+  prefill) [n, prefill_queue, len(QUEUE_COLS)] each worker's input tokens in the order its steps
+  take them, `queued` [n] how many are real, `chunk` how many a step takes; `tables` (paged KV)
   [n, B, pages_per_seq] the page tables of every worker's rows."""
   n = len(stop_on_refill)
   cols = {"max_steps": np.full(n, max_steps), "stop_on_refill": stop_on_refill,
-          "stop_on_idle": stop_on_idle, "temperature": np.full(n, temperature_bits(temperature))}
+          "stop_on_idle": stop_on_idle, "temperature": np.full(n, temperature_bits(temperature)),
+          "chunk": np.full(n, chunk), "queued": np.zeros(n) if queued is None else queued,
+          "seed": np.full(n, seed), "epoch": np.full(n, epoch)}
   host = np.stack([np.asarray(cols[name]) for name in DECODE_COLS], axis=1).astype(np.int32)
+  if queue is not None:
+    q = np.asarray(queue, np.int32)
+    host = np.concatenate([host, q.reshape(q.shape[0], -1)], 1)
   if tables is not None:
     t = np.asarray(tables, np.int32)
     host = np.concatenate([host, t.reshape(t.shape[0], -1)], 1)
@@ -251,10 +270,15 @@ def with_expert_table(host: np.ndarray, e2s: np.ndarray) -> np.ndarray:
   return np.concatenate([host, table], 1).astype(np.int32)
 
 
-def host_width(kind: str, width: int, num_experts: int, table_cols: int = 0) -> int:
+def host_width(kind: str, width: int, num_experts: int, table_cols: int = 0,
+               queue_len: int = 0) -> int:
   """Columns of a step's host array ('prefill' | 'decode'), the expert table included;
-  `table_cols`: the page-table columns (paged KV; prefill: pages_per_seq, decode: B x that)."""
-  cols = width + len(PREFILL_COLS) if kind == "prefill" else len(DECODE_COLS)
+  `table_cols`: the page-table columns (paged KV; prefill: pages_per_seq, decode: B x that);
+  `queue_len`: a decode row's queue entries (chunked prefill)."""
+  if kind == "prefill":
+    cols = width + len(PREFILL_COLS)
+  else:
+    cols = len(DECODE_COLS) + queue_len * len(QUEUE_COLS)
   return cols + table_cols + num_experts
 
 
@@ -268,11 +292,17 @@ def read_prefill(host_PC: jax.Array, width: int, num_experts: int, pages_per_seq
   return host_PC[:, :width], cols, e2s, table
 
 
-def read_decode(host_PC: jax.Array, num_experts: int, rows: int = 0, pages_per_seq: int = 0):
+def read_decode(host_PC: jax.Array, num_experts: int, rows: int = 0, pages_per_seq: int = 0,
+                queue_len: int = 0):
   """Inside a step: ({DECODE_COLS name: this worker's value}, expert table [E], page tables
-  [rows, pages_per_seq] or None)."""
+  [rows, pages_per_seq] or None, input queue {QUEUE_COLS name: [queue_len]} or None)."""
   n = len(DECODE_COLS)
+  queue = None
+  if queue_len:
+    q = host_PC[0, n:n + queue_len * len(QUEUE_COLS)].reshape(queue_len, len(QUEUE_COLS))
+    queue = {name: q[:, i] for i, name in enumerate(QUEUE_COLS)}
+    n += queue_len * len(QUEUE_COLS)
   table = (host_PC[0, n:n + rows * pages_per_seq].reshape(rows, pages_per_seq)
            if pages_per_seq else None)
   return ({name: host_PC[0, i] for i, name in enumerate(DECODE_COLS)},
-          host_PC[0, -num_experts:], table)
+          host_PC[0, -num_experts:], table, queue)

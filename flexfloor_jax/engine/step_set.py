@@ -86,7 +86,8 @@ class StepSet:
   def _args_abstract(self, kind: str, width: int = 0):
     spec = self.spec
     m = spec.pages_per_seq * (1 if kind == "prefill" else spec.slots_per_worker)
-    cols = state_lib.host_width(kind, width or spec.max_prompt_len, spec.cfg.num_experts, m)
+    cols = state_lib.host_width(kind, width or spec.max_prompt_len, spec.cfg.num_experts, m,
+                                spec.prefill_queue if kind == "decode" else 0)
     host = jax.ShapeDtypeStruct((self.mesh.size, cols), jnp.int32, sharding=self.host_sharding)
     return (self.abstract_rest, self.abstract_experts, self.abstract_state, host)
 
@@ -104,8 +105,9 @@ class StepSet:
 
   def compile(self) -> StepSet:
     if not self._compiled:
-      self._compiled["prefill"] = self._step_jit(prefill_local, 1).lower(
-          *self.prefill_args_abstract()).compile()
+      if not self.spec.chunked:  # chunked prefill: prompts ride in the decode steps
+        self._compiled["prefill"] = self._step_jit(prefill_local, 1).lower(
+            *self.prefill_args_abstract()).compile()
       self._compiled["decode"] = self._step_jit(decode_local, 2).lower(
           *self.decode_args_abstract()).compile()
       self._compiled.update(movers.compile_movers(self))
@@ -147,17 +149,31 @@ class StepSet:
     def zeros(a):
       return jnp.zeros(a.shape, a.dtype, device=a.sharding)
 
-    n, lp = self.mesh.size, self.spec.max_prompt_len
-    e2s = np.zeros((self.spec.cfg.num_experts,), np.int32)
+    spec = self.spec
+    n, lp = self.mesh.size, spec.max_prompt_len
+    e2s = np.zeros((spec.cfg.num_experts,), np.int32)
     rest, experts, st = jax.tree.map(zeros, self.prefill_args_abstract()[:-1])
-    # a full-width prompt into decode slot 0 of every worker, left live (limit 2)
-    seq = SeqInput(tokens=np.zeros((lp,), np.int32), limit=2, stop_eos=False, phash=0, sample=0)
-    m, b = self.spec.pages_per_seq, self.spec.slots_per_worker
-    row = np.minimum(np.arange(m), self.spec.num_pages - 1)  # paged KV: valid page ids
-    host = state_lib.prefill_host(lp, n, 0, 0, [(p, 0, seq, 0, row) for p in range(n)], m)
-    st, _ = self._compiled["prefill"](rest, experts, st, self.put_host(host, e2s))
+    m, b = spec.pages_per_seq, spec.slots_per_worker
+    row = np.minimum(np.arange(m), spec.num_pages - 1)  # paged KV: valid page ids
     tables = np.broadcast_to(row, (n, b, m)) if m else None
-    host = state_lib.decode_host(1, np.zeros(n, bool), np.zeros(n, bool), tables)  # one step
+    queue = queued = None
+    if spec.chunked:
+      # a chunk of input into decode slot 0 of every worker, its last token in the step: the
+      # slot goes live (limit 2) within the one step
+      c = spec.prefill_rows
+      one = np.zeros((spec.prefill_queue, len(state_lib.QUEUE_COLS)), np.int32)
+      col = {name: i for i, name in enumerate(state_lib.QUEUE_COLS)}
+      one[:c, col["position"]] = np.arange(c)
+      one[c - 1, col["last"]], one[:, col["limit"]] = 1, 2
+      queue, queued = np.broadcast_to(one, (n,) + one.shape), np.full(n, c)
+    else:
+      # a full-width prompt into decode slot 0 of every worker, left live (limit 2)
+      seq = SeqInput(tokens=np.zeros((lp,), np.int32), limit=2, stop_eos=False, phash=0,
+                     sample=0)
+      host = state_lib.prefill_host(lp, n, 0, 0, [(p, 0, seq, 0, row) for p in range(n)], m)
+      st, _ = self._compiled["prefill"](rest, experts, st, self.put_host(host, e2s))
+    host = state_lib.decode_host(1, np.zeros(n, bool), np.zeros(n, bool), tables, queue=queue,
+                                 queued=queued, chunk=spec.prefill_rows)  # one step
     jax.block_until_ready(self._compiled["decode"](rest, experts, st, self.put_host(host, e2s)))
     idx = jax.device_put(np.zeros((n,), np.int32), self.worker_sharding)
     full = {"experts": self.abstract_experts, "rows": self.abstract_state.row_dict()}

@@ -86,10 +86,16 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   """Up to max_steps decode steps in a `lax.while_loop`; stops after a step in which a worker
   with stop_on_refill had a slot finish, or one with stop_on_idle went from live slots to none,
   or nothing is live (policy.controller.worker_stops, the rule the host applies too).
+  Chunked prefill (spec.chunked): each step also runs up to `chunk` input tokens of the
+  worker's queue as query rows beside the decode rows (spec.prefill_rows of them, the unused
+  ones invalid), each a one-token query over its sequence's cache, exactly as a decode row: a
+  sequence's last input token samples its next token and makes its slot live. A worker with
+  queued input is not idle, and the loop runs while anything is live or queued.
   Returns (state, steps run, expert counts [E])."""
   cfg = spec.cfg
   b = st.out_tokens.shape[0]
-  h, e2s, table_BM = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq)
+  h, e2s, table_BM, queue = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq,
+                                        spec.prefill_queue)
   max_steps, stop_on_refill, stop_on_idle = (h["max_steps"], h["stop_on_refill"] != 0,
                                              h["stop_on_idle"] != 0)
   temp = temperature_of(h["temperature"])
@@ -103,45 +109,99 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   rows = jnp.arange(b)
   max_new = spec.max_new_tokens
   attention = spec.paged_attention() if spec.paged else None
+  c_rows = spec.prefill_rows
+  if queue is not None:  # padded by a chunk, so that every step's slice of the queue is in range
+    queue = {k: jnp.concatenate([v, jnp.zeros((c_rows,), v.dtype)]) for k, v in queue.items()}
+    chunk, queued = h["chunk"], h["queued"]
+    qkeys = jax.vmap(sequence_key, in_axes=(None, None, 0, 0))(h["seed"], h["epoch"],
+                                                               queue["phash"], queue["sample"])
+
+  def inputs(i, sc):
+    """This step's query rows: the B decode rows, then (chunked) the queue's next chunk:
+    (tokens, positions, valid, cache rows, keys, token numbers, chunk entries or None)."""
+    live = sc.live
+    if queue is None:
+      return sc.tokens, sc.positions, live, None, sc.key, sc.n_gen, None
+    start = i * chunk
+    j = jnp.arange(c_rows)
+    ent = {k: jax.lax.dynamic_slice_in_dim(v, start, c_rows) for k, v in queue.items()}
+    ent["valid"] = (j < chunk) & (start + j < queued)
+    ent["key"] = jax.lax.dynamic_slice_in_dim(
+        jnp.concatenate([qkeys, jnp.zeros((c_rows, 2), qkeys.dtype)]), start, c_rows)
+    slot_C = jnp.where(ent["valid"], ent["slot"], b)  # b: out of range, writes nothing
+    return (jnp.concatenate([sc.tokens, ent["token"]]),
+            jnp.concatenate([sc.positions, ent["position"]]),
+            jnp.concatenate([live, ent["valid"]]), jnp.concatenate([rows, slot_C]),
+            jnp.concatenate([sc.key, ent["key"]]), jnp.concatenate([sc.n_gen, ent["generated"]]),
+            ent)
 
   def step(carry):
     st, sc, i, _, counts = carry
     live = sc.live
+    tok_R, pos_R, valid_R, rows_R, key_R, gen_R, ent = inputs(i, sc)
+    extra = {} if rows_R is None else {"rows_B": rows_R}
     if spec.paged:
       # the host rows carry page tables, and the spec an attention function, when spec.paged
       assert table_BM is not None and attention is not None
-      logits, cache, aux = decode_paged(params, cfg, st.paged, table_BM, sc.tokens,
-                                        sc.positions, live, moe_fn=moe_fn, attention=attention)
+      table_RM = table_BM if rows_R is None else table_BM[jnp.clip(rows_R, 0, b - 1)]
+      logits, cache, aux = decode_paged(params, cfg, st.paged, table_RM, tok_R, pos_R, valid_R,
+                                        moe_fn=moe_fn, attention=attention, **extra)
     else:
-      logits, cache, aux = tfm.decode(params, cfg, st.cache, sc.tokens, sc.positions, live,
-                                      moe_fn=moe_fn)
+      logits, cache, aux = tfm.decode(params, cfg, st.cache, tok_R, pos_R, valid_R,
+                                      moe_fn=moe_fn, **extra)
     kv = cache_fields(cache)
-    tok, lp = sample(logits, sc.key, sc.n_gen, spec.sampling, temp)
+    tok_all, lp_all = sample(logits, key_R, gen_R, spec.sampling, temp)
+    tok, lp = tok_all[:b], lp_all[:b]
     col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
     routes = st.routes
-    if routes is not None:  # the fed token's experts at its position: aux [L, B, K] -> [B, L, K]
-      pos = jnp.where(live, sc.positions, spec.max_seq_len)
-      routes = routes.at[rows, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)), mode="drop")
-    st = st.replace(**kv,
-                    out_tokens=st.out_tokens.at[rows, col].set(tok, mode="drop"),
-                    out_logprobs=st.out_logprobs.at[rows, col].set(lp, mode="drop"),
-                    routes=routes)
+    if routes is not None:  # the fed tokens' experts at their positions: aux [L, R, K] -> [R, L, K]
+      pos = jnp.where(valid_R, pos_R, spec.max_seq_len)
+      where = rows if rows_R is None else jnp.where(valid_R, rows_R, b)
+      routes = routes.at[where, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)), mode="drop")
+    out_tokens = st.out_tokens.at[rows, col].set(tok, mode="drop")
+    out_logprobs = st.out_logprobs.at[rows, col].set(lp, mode="drop")
     n_gen = sc.n_gen + live.astype(jnp.int32)
     finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & _is_stop(tok, cfg.stop_ids)))
     sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
                     positions=sc.positions + live.astype(jnp.int32), live=live & ~finished)
-    wake = worker_stops(jnp.any(finished), jnp.any(sc.live), stop_on_refill, stop_on_idle)
+    any_finished, queued_left = jnp.any(finished), jnp.bool_(False)
+    if ent is not None:
+      # a sequence's last input token: its next token (number `generated`) and its slot goes
+      # live, or finishes at once; the slot was free (not live), so no decode row touched it
+      last = ent["valid"] & (ent["last"] != 0)
+      tok_c, lp_c, gen_c = tok_all[b:], lp_all[b:], ent["generated"]
+      idx = jnp.where(last, ent["slot"], b)  # b = out of range: dropped
+      done = (ent["limit"] <= gen_c + 1) | ((ent["stop_eos"] != 0)
+                                            & _is_stop(tok_c, cfg.stop_ids))
+
+      def upd(a, val):
+        return a.at[idx].set(val, mode="drop")
+
+      sc = sc.replace(tokens=upd(sc.tokens, tok_c),
+                      positions=upd(sc.positions, ent["position"] + 1),
+                      live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, gen_c + 1),
+                      limit=upd(sc.limit, ent["limit"]),
+                      stop_eos=upd(sc.stop_eos, ent["stop_eos"] != 0),
+                      key=upd(sc.key, ent["key"]))
+      out_tokens = out_tokens.at[idx, gen_c].set(tok_c, mode="drop")
+      out_logprobs = out_logprobs.at[idx, gen_c].set(lp_c, mode="drop")
+      any_finished = any_finished | jnp.any(last & done)
+      queued_left = queued > (i + 1) * chunk
+    st = st.replace(**kv, out_tokens=out_tokens, out_logprobs=out_logprobs, routes=routes)
+    busy = jnp.any(sc.live) | queued_left
+    wake = worker_stops(any_finished, busy, stop_on_refill, stop_on_idle)
     stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
-    any_live = jax.lax.psum(jnp.any(sc.live).astype(jnp.int32), axis) > 0
+    any_busy = jax.lax.psum(busy.astype(jnp.int32), axis) > 0
     counts = counts + aux["expert_counts"].sum(0)
-    return st, sc, i + 1, stop | ~any_live, counts
+    return st, sc, i + 1, stop | ~any_busy, counts
 
   def cond(carry):
     return (carry[2] < max_steps) & ~carry[3]
 
   sc = st.slot_scalars()
-  any_live = jax.lax.psum(jnp.any(sc.live).astype(jnp.int32), axis) > 0
+  busy0 = jnp.any(sc.live) | (h["queued"] > 0 if queue is not None else False)
+  any_busy = jax.lax.psum(busy0.astype(jnp.int32), axis) > 0
   counts0 = jnp.zeros((cfg.num_experts,), jnp.int32)
   st, sc, steps, _, counts = jax.lax.while_loop(
-      cond, step, (st.replace(scalars=None), sc, jnp.int32(0), ~any_live, counts0))
+      cond, step, (st.replace(scalars=None), sc, jnp.int32(0), ~any_busy, counts0))
   return st.replace(scalars=sc.pack()), steps, counts

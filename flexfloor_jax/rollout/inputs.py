@@ -357,10 +357,12 @@ def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> memor
   sequence's pages + its rings + its state."""
   r = config.rollout
   seq = max_seq_len or config.model.max_seq_len
-  t = memory.floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes)
+  chunk = max(1, getattr(r, "prefill_rows", 0))  # chunked prefill: rings hold a chunk more
+  t = memory.floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes,
+                         chunk)
   if getattr(r, "kv", "slots") != "paged":
     return t
-  per_token, rings = memory.kv_bytes(model_cfg, seq)  # pages: the full layers only
+  per_token, rings = memory.kv_bytes(model_cfg, seq, chunk)  # pages: the full layers only
   state = engine_lib.state_bytes_per_worker(model_cfg, r.max_seqs, seq, r.max_new_tokens,
                                             r.record_routes)
   pool = kv_pool.pages_per_worker(r, seq) * r.page_size * per_token + r.max_seqs * rings

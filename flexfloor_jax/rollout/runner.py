@@ -243,7 +243,8 @@ def engine_spec(config: settings.Settings, prep: Prepared):
                               config.sampling.top_k),
       moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes, kv=r.kv,
       page_size=r.page_size, attention_backend=config.model.attention_backend,
-      num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0)
+      num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0,
+      prefill_rows=r.prefill_rows, prefill_queue=r.prefill_rows * r.steps_per_dispatch)
 
 
 def load_params(config: settings.Settings, model_cfg) -> tfm.Params:
@@ -292,6 +293,8 @@ def build_engine(config: settings.Settings, prep: Prepared, *, params=None,
                           if cplan else [],
                           compile_threads=compile_threads,
                           mover_plan=cplan.movers if cplan else None)
+  if spec.chunked:
+    eng.prefill_chunk = r.prefill_chunk
   by_prompt = {p.prompt_id: p for p in prep.prompts}
   eng.add_sequences({s.seq_id: engine_lib.SeqInput(
       tokens=np.asarray(by_prompt[s.prompt_id].tokens, np.int32),
@@ -339,7 +342,8 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
     if prep.kv_pool is not None:
       eng.attach_pages(prep.kv_pool)
     record = controller.run(prep.seqs, prep.queues, _ProgressExecutor(eng, bar, released), policy,
-                            steps_per_dispatch=prep.steps_per_dispatch, kv=prep.kv_pool)
+                            steps_per_dispatch=prep.steps_per_dispatch, kv=prep.kv_pool,
+                            prefill_chunk=eng.prefill_chunk if eng.spec.chunked else 0)
     if isinstance(policy, ReadyFloor):
       policy.finish(record.timeline)
   finally:
@@ -367,7 +371,7 @@ def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record,
                 step_cost=prep.step_cost,
                 policy_cost=named_step_cost(name, prep.seqs) if decided else None,
                 kv=kv_pool.pool_factory(r, prep.num_workers, prep.seq_len)
-                if prep.kv_pool is not None else None)
+                if prep.kv_pool is not None else None, prefill_chunk=r.prefill_chunk)
   return dict(cost_model=name, **seconds_figures(m),
               replay_matches_run=m["device_steps"] == device_steps)
 
@@ -399,6 +403,7 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            length_buckets=plan.length_buckets(prep.queues, prep.pred_by_seq),
            step_seconds_measured={str(k): v for k, v in median_by_size.items()},
            max_seq_len=prep.seq_len,
+           prefill_chunk=eng.prefill_chunk if eng.spec.chunked else 0,
            compile_plan=dict(cplan.to_json(), waited_for=compiles["waited_for"],
                              wait_s=compiles["wait_s"],
                              compile_threads=eng.steps.compile_threads,
@@ -438,6 +443,10 @@ class _ProgressExecutor:
   def __init__(self, eng, bar, released):
     self._eng, self._bar, self._released = eng, bar, released
     self.slots_per_worker = eng.spec.slots_per_worker
+    self.prefill_chunk = eng.prefill_chunk  # chunked prefill (controller.ChunkedExecutor)
+
+  def admit(self, assign):
+    self._eng.admit(assign)
 
   def prefill(self, assign):
     out = self._eng.prefill(assign)

@@ -45,6 +45,7 @@ def make_run_record(*, name: str, epoch: int, seqs: list[Seq], lengths: Mapping[
               release_sizes=summary.get("release_sizes"),
               makespan_slack=summary.get("makespan_slack", 0.05),
               step_cost=summary.get("step_cost", "measured"),
+              prefill_chunk=int(summary.get("prefill_chunk", 0)),
               step_seconds={str(k): v for k, v in history.step_seconds.items()},
               timeline=timeline.to_dict(), summary={k: summary[k] for k in keep if k in summary},
               **({"kv": dict(kv)} if kv else {}))
@@ -85,7 +86,8 @@ def replay_record(rec: dict, cost=None, model: Model | None = None):
                 epoch=rec.get("epoch", 0), num_experts=rec.get("num_experts", 8),
                 sizes=rec.get("release_sizes"), makespan_slack=rec.get("makespan_slack", 0.05),
                 step_cost=step_cost, policy_cost=policy_cost,
-                kv=kv_factory(rec.get("kv"), rec["num_workers"]))
+                kv=kv_factory(rec.get("kv"), rec["num_workers"]),
+                prefill_chunk=rec.get("prefill_chunk", 0))
 
 
 def fit_records(recs: list[dict], name: str = "") -> LinearCost:

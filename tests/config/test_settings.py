@@ -178,6 +178,8 @@ BAD = [
     ("rollout", "mixtral", "rollout.max_seqs_per_worker", -1),
     ("rollout", "mixtral", "rollout.kv_pages", -1),
     ("rollout", "mixtral", "rollout.kv_margin", -0.5),
+    ("rollout", "mixtral", "rollout.prefill_chunk", -16),
+    ("rollout", "mixtral", "rollout.max_prefill_chunk", 1.5),
     ("rollout", "mixtral", "workload.sigma", -1.0),
     ("rollout", "mixtral", "workload.median", 0.0),
     ("rollout", "mixtral", "workload.epoch_noise", INF),
@@ -283,6 +285,12 @@ def test_every_field_has_a_bad_case():
     ("train", "grpo", {"rollout.lengths": "workload"}, ["rollout.lengths", "'model'"]),
     ("rollout", "mixtral", {"rollout.kv": "paged", "rollout.kv_pages": 3, "model.max_seq_len": 64},
      ["rollout.kv_pages=3", "rollout.page_size=16", "model.max_seq_len=64"]),
+    ("rollout", "mixtral", {"rollout.prefill_chunk": 8},
+     ["rollout.prefill_chunk=8", "rollout.page_size=16"]),
+    ("rollout", "mixtral", {"rollout.prefill_chunk": 64, "rollout.max_prefill_chunk": 32},
+     ["rollout.prefill_chunk=64", "rollout.max_prefill_chunk=32"]),
+    ("rollout", "mixtral", {"rollout.max_prefill_chunk": 32},
+     ["rollout.max_prefill_chunk=32", "rollout.prefill_chunk"]),
 ])
 def test_fields_checked_together(entry, name, changes, expect):
   c = load_config(name, "tiny").to_dict()

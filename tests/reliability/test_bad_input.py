@@ -187,6 +187,12 @@ CASES = [
          ("model.max_seq_len", "4294967296")),
     case("cpu_devices_past_host", ROLLOUT, "--config.mesh.cpu_devices=100000",
          ("mesh.cpu_devices", "100000")),
+    # --- a chunk of input tokens per step out of range (chunked prefill)
+    case("prefill_chunk_below_a_page", ROLLOUT, "--config.rollout.prefill_chunk=8",
+         ("rollout.prefill_chunk=8", "rollout.page_size=16")),
+    case("prefill_chunk_above_its_bound", ROLLOUT,
+         ("--config.rollout.prefill_chunk=64", "--config.rollout.max_prefill_chunk=32"),
+         ("rollout.prefill_chunk=64", "rollout.max_prefill_chunk=32")),
     # --- memory figures that cannot be
     case("device_memory_no_device_has", ROLLOUT, "--config.mesh.device_memory_gb=1e12",
          ("mesh.device_memory_gb",)),
