@@ -109,6 +109,27 @@ def test_two_processes_match_one_paged(tmp_path):
       [(r["workers"], r["final"]) for r in s1["releases"]]
 
 
+@pytest.mark.slow
+def test_two_processes_match_one_chunked(tmp_path):
+  """Chunked prefill (a page of prompt tokens per decode step) on the paged pool, flexfloor
+  releasing 8 -> 2 -> 1 across the processes: each process builds the dispatches' input queues
+  from its own copy of the host state, and the responses, steps and migrations are one
+  process's."""
+  opts = PAGED + ["--config.rollout.prefill_chunk=16"]
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  _rollout(one, "flexfloor", 1, opts)
+  proc, _ = _rollout(two, "flexfloor", 2, opts)
+  ref, s1 = _load(one)
+  got, s2 = _load(two)
+  _assert_same_responses(ref, got)
+  for k in ("generated_tokens", "device_steps", "num_migrations", "preemptions",
+            "prefill_only_steps_while_decoding"):
+    assert s2[k] == s1[k], k
+  assert s1["prefill_chunk"] == 16 and s1["prefill_only_steps_while_decoding"] == 0
+  assert s1["num_migrations"] > 0
+  _assert_process_logs(two, proc)
+
+
 # The README's two-process command as a user runs it, on half the preset's prompts (32
 # responses: the same releases, in about half the decode steps): the preset's default release
 # sizes (8 -> 6 -> 4 -> 2 -> 1), so the mesh of 6 is split unevenly over the processes (2 + 4
