@@ -29,16 +29,22 @@ def lock_history(path: str) -> DirLock:
   it: `<path>.lock` beside it (io/output_dir.lock_file, the output directories' lock), whichever
   output directory the writer publishes to. Another writer holding it: wait up to LOCK_WAIT_S,
   then HistoryError; a lock left by a killed writer is taken over with a warning."""
+  return lock_beside(path, 'length history', HistoryError)
+
+
+def lock_beside(path: str, what: str, error: type[Exception]) -> DirLock:
+  """`<path>.lock` for a file that runs sharing it read, merge and replace (`what`: its name in
+  messages); failures raise `error`."""
   try:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as the save would
   except OSError as e:
-    raise HistoryError(f'length history {path}: cannot create its directory: {e}') from None
+    raise error(f'{what} {path}: cannot create its directory: {e}') from None
   try:
-    return lock_file(path, path + '.lock', 'length history', lambda pid, where: (
-        f'length history {path} is being saved by pid {pid}{where} for more than '
+    return lock_file(path, path + '.lock', what, lambda pid, where: (
+        f'{what} {path} is being saved by pid {pid}{where} for more than '
         f'{LOCK_WAIT_S:.0f} s (lock file {path}.lock)'), wait_s=LOCK_WAIT_S)
   except OutputDirError as e:
-    raise HistoryError(str(e)) from None
+    raise error(str(e)) from None
 
 
 class LengthHistory:
