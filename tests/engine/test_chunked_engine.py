@@ -46,6 +46,17 @@ def _run(c, model, tmp_path, name, step_caches, *, schedule, workers, chunk):
                     step_cache=step_caches)
 
 
+@pytest.fixture
+def step_caches():
+  """A StepCachePool of this file's own, emptied after each test with JAX's caches: its chunked
+  executables (another width for every spec) are used nowhere else, and a pytest process that
+  kept them beside every other file's reaches the kernel's limit on memory maps
+  (vm.max_map_count) and is killed."""
+  from flexfloor_jax import engine
+  yield engine.StepCachePool()
+  jax.clear_caches()
+
+
 def _by_key(res):
   return {(r["prompt_id"], r["sample"]): r for r in res.responses}
 
