@@ -42,6 +42,20 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_executables():
+  """After each file, JAX's in-memory caches go (a later file loads what it needs from the
+  persistent cache): every loaded XLA:CPU executable holds memory maps, and a pytest process
+  that kept every file's executables reached the kernel's limit (vm.max_map_count, 65,530)
+  and died by a segfault in the next load."""
+  yield
+  import gc
+
+  import jax
+  jax.clear_caches()
+  gc.collect()
+
+
 @pytest.fixture(scope="session")
 def step_caches():
   """One engine.StepCachePool for this pytest process: runs of the same EngineSpec on the same
