@@ -179,18 +179,9 @@ class SimExecutor:
       for j in range(k):
         self.t += float(self.step_cost('decode', len(self._active), sum(r > j for r in rems)))
     self.steps += k
-    out = []
+    out: list[Finish] = []
     for w in self._active:
-      row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
-      for s, q in enumerate(row):
-        if q < 0:
-          continue
-        if rem[s] <= k:
-          out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
-          row[s], rem[s] = -1, 0
-        else:
-          rem[s] -= k
-          gen[s] += k
+      self._advance_rows(w, k, out)
     return k, out
 
   def _decode_chunked(self, max_steps, stop_on_refill, stop_on_idle):
@@ -233,18 +224,10 @@ class SimExecutor:
                     for t, f in zip(turns[w], fin_w[w][self.num_live(w):], strict=True))
         self.t += float(self.step_cost('decode', len(self._active), rows))
     self.steps += k
-    out = []
+    out: list[Finish] = []
     for w in self._active:
+      self._advance_rows(w, k, out)
       row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
-      for s, q in enumerate(row):
-        if q < 0:
-          continue
-        if rem[s] <= k:
-          out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
-          row[s], rem[s] = -1, 0
-        else:
-          rem[s] -= k
-          gen[s] += k
       budget, keep = k * self.prefill_chunk, []
       for ent, j in zip(self.pend[w], turns[w], strict=True):
         q, s, left, _, g = ent
@@ -263,6 +246,20 @@ class SimExecutor:
           row[s], gen[s], rem[s] = q, g + made, self.length[q] - g - made
       self.pend[w] = keep
     return k, out
+
+  def _advance_rows(self, w: int, k: int, out: list[Finish]):
+    """Worker w's live rows after k decode steps: a row with at most k tokens left finishes
+    (into `out`) and frees its slot, the others make k tokens."""
+    row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
+    for s, q in enumerate(row):
+      if q < 0:
+        continue
+      if rem[s] <= k:
+        out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
+        row[s], rem[s] = -1, 0
+      else:
+        rem[s] -= k
+        gen[s] += k
 
   def num_live(self, w: int) -> int:
     return sum(q >= 0 for q in self.slot_seq[w])
