@@ -167,11 +167,7 @@ class SimExecutor:
     k = min(k, max(r for w in self._active
                    for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True) if q >= 0))
     if self.time_model is not None:
-      rem = np.array([[r if q >= 0 else 0 for q, r in zip(self.slot_seq[w], self.remaining[w],
-                                                          strict=True)] for w in self._active])
-      ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
-                       for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
-                      for w in self._active], float)
+      rem, ctx = self._live_arrays()
       self.t += costs.dispatch_seconds(self.time_model.worker_step_seconds, rem, ctx, k)
     elif self.step_cost is not None:
       rems = [r for w in self._active
@@ -207,11 +203,7 @@ class SimExecutor:
         k = min(k, max(fin_w[w]) + 1)  # w holds nothing after this step
     k = min(k, max(max(f) for f in fin_w.values() if f) + 1)
     if self.time_model is not None:
-      rem = np.array([[r if q >= 0 else 0 for q, r in zip(self.slot_seq[w], self.remaining[w],
-                                                          strict=True)] for w in self._active])
-      ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
-                       for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
-                      for w in self._active], float)
+      rem, ctx = self._live_arrays()
       if any(self.pend[w] for w in self._active):
         self.t += costs.mixed_dispatch_seconds(self.time_model.mixed_seconds, rem, ctx, k,
                                                self.prefill_chunk, self.pending_lists())
@@ -246,6 +238,16 @@ class SimExecutor:
           row[s], gen[s], rem[s] = q, g + made, self.length[q] - g - made
       self.pend[w] = keep
     return k, out
+
+  def _live_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    """[active workers, slots]: the tokens each live row still makes and the tokens it has
+    cached (0 for a free or pending slot), as costs.dispatch_seconds takes them."""
+    rem = np.array([[r if q >= 0 else 0 for q, r in zip(self.slot_seq[w], self.remaining[w],
+                                                        strict=True)] for w in self._active])
+    ctx = np.array([[self.seqs[q].prompt_len + g if q >= 0 else 0
+                     for q, g in zip(self.slot_seq[w], self.generated[w], strict=True)]
+                    for w in self._active], float)
+    return rem, ctx
 
   def _advance_rows(self, w: int, k: int, out: list[Finish]):
     """Worker w's live rows after k decode steps: a row with at most k tokens left finishes
