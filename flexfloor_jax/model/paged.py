@@ -178,7 +178,6 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
   r = cache.k_ring.shape[2]
   tfm._check_ring(cfg, cache.ring_layers, r)
   has_full = cache.k_pages.shape[0] > 0
-  r_mask = tfm.ring_mask(cfg, positions_B, r)
   n_rows = cache.k_ring.shape[1]
   # a dead row's ring write, or one at a position its table cannot hold (as its pages drop):
   # out of range, dropped
@@ -205,8 +204,9 @@ def decode_paged(params: tfm.Params, cfg: ModelConfig, cache: PagedKVCache,
       return out_BHD.reshape(b, 1, -1).astype(q.dtype)
 
     def ring():
-      out = tfm.attend(q, tfm.read_rows(rk[ri], r_rows), tfm.read_rows(rv[ri], r_rows), r_mask,
-                       sinks)
+      k_w, v_w, m_w = tfm.ring_window(cfg, tfm.read_rows(rk[ri], r_rows),
+                                      tfm.read_rows(rv[ri], r_rows), positions_B)
+      out = tfm.attend(q, k_w, v_w, m_w, sinks)
       return jnp.where(ring_live_B[:, None, None], out, jnp.zeros((), out.dtype))
 
     x = x + tfm._attn_out(cfg, lp, tfm.by_layer_kind(lp, has_full, full, ring))

@@ -795,20 +795,20 @@ def split_layers(num_layers: int, ring_layers: tuple[int, ...]) -> tuple[np.ndar
   return np.setdiff1d(np.arange(num_layers, dtype=np.int32), ring), ring
 
 
-def ring_key_positions(positions_B: jax.Array, ring_len: int) -> jax.Array:
-  """[B, ring_len]: the position each ring slot holds once every position up to positions_B is
-  written (slot j: the latest position = j mod ring_len; negative: none yet). Positions after
-  positions_B that the same step wrote (a later prompt row of the sequence) sit in slots this
-  names as older than the window (KVLayout), so the window's mask never reads them."""
-  pos_B1 = positions_B[:, None]
-  return pos_B1 - (pos_B1 - jnp.arange(ring_len, dtype=pos_B1.dtype)) % ring_len
-
-
-def ring_mask(cfg: ModelConfig, positions_B: jax.Array, ring_len: int) -> jax.Array:
-  """[B, 1, ring_len]: the ring slots the token at positions_B attends to (written, in its
-  window)."""
-  k_pos_BR = ring_key_positions(positions_B, ring_len)
-  return attention_mask(positions_B[:, None], k_pos_BR, k_pos_BR >= 0, cfg.sliding_window)
+def ring_window(cfg: ModelConfig, k_BRKD: jax.Array, v_BRKD: jax.Array, positions_B: jax.Array
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A ring's keys and values of the window each query reads, oldest position first ([B, W, K,
+  hd] each, W = the window), and their mask [B, 1, W] (positions before the sequence's start
+  hold nothing). Attending over these instead of the whole ring makes a row's result independent
+  of the ring's length and of where in it the window wraps: rings sized for more query rows a
+  step (chunked prefill, drafted tokens) give bitwise the logits of rings of the window."""
+  assert cfg.sliding_window, "a ring holds a sliding layer's window"
+  w = int(cfg.sliding_window)
+  r = k_BRKD.shape[1]
+  pos_BW = positions_B[:, None] - (w - 1) + jnp.arange(w, dtype=positions_B.dtype)
+  slot_BW = pos_BW % r
+  rows_B1 = jnp.arange(k_BRKD.shape[0])[:, None]
+  return k_BRKD[rows_B1, slot_BW], v_BRKD[rows_B1, slot_BW], (pos_BW >= 0)[:, None, :]
 
 
 def insert_ring(k_ring: jax.Array, v_ring: jax.Array, k: jax.Array, v: jax.Array,
@@ -992,7 +992,10 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
   r = cache.k_ring.shape[2]
   _check_ring(cfg, cache.ring_layers, r)
   has_full = cache.k.shape[0] > 0
-  r_mask = ring_mask(cfg, positions_B, r)
+
+  def ring_attend(q, rk_BRKD, rv_BRKD, sinks):
+    k, v, m = ring_window(cfg, rk_BRKD, rv_BRKD, positions_B)
+    return attend(q, k, v, m, sinks)
 
   def ring_layer(carry, lp):
     x, ck, cv, rk, rv = carry
@@ -1006,7 +1009,7 @@ def decode(params: Params, cfg: ModelConfig, cache: KVCache, tokens_B: jax.Array
     out = by_layer_kind(
         lp, has_full,
         lambda: attend(q, read_rows(ck[fi], r_rows), read_rows(cv[fi], r_rows), mask(lp), sinks),
-        lambda: attend(q, read_rows(rk[ri], r_rows), read_rows(rv[ri], r_rows), r_mask, sinks))
+        lambda: ring_attend(q, read_rows(rk[ri], r_rows), read_rows(rv[ri], r_rows), sinks))
     x = x + _attn_out(cfg, lp, out)
     x, aux = _mlp(cfg, lp, x, valid_B[:, None], moe_fn)
     return (x, ck, cv, rk, rv), aux
