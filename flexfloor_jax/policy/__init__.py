@@ -11,6 +11,8 @@ release_policy    release/compaction policy: when workers go and which sequences
 expert_placement  expert placement table (expert -> worker, slot) and how a release changes it
 compile_plan  which mesh sizes (and which devices' movers) compile first: the plan's replay
 accounting  timeline of a rollout -> the metrics of summary.json, timeline plot
+drafts      speculative decoding's drafts: the response store and the suffix-matching drafter
+speculation which drafted tokens a dispatch verifies, decided in seconds
 
 The JAX engine and the cluster simulator both import this package, so what is simulated is what
 runs. Importing it must not pull in jax (tests/test_layout.py checks that).

@@ -43,7 +43,9 @@ class Timeline:
   # a prefill also 'admitted': [per active worker, the seq id it prefilled, -1 none]; a chunked
   # decode dispatch also 'chunk' (input tokens a step per worker) and 'pending': [per active
   # worker, its pending list at the first step: [seq id, input tokens run, input tokens left]]
-  # (controller's module doc; `dispatch_steps` expands it step by step)
+  # (controller's module doc; `dispatch_steps` expands it step by step); a speculative dispatch
+  # also 'drafted', 'accepted' and 'drafts' [per active worker, over the dispatch]: drafted rows
+  # verified, the drafted tokens kept, and the sequences whose draft was verified
   steps: list[dict] = field(default_factory=list)
   # {'seq_id', 'worker', 'slot', 'num_tokens', 'reason', 'step'}: finished in step index 'step'
   finishes: list[dict] = field(default_factory=list)
@@ -58,7 +60,7 @@ class Timeline:
     return max((r['start'] + r['num_steps'] for r in self.steps), default=0)
 
   def add_step(self, kind, start, num_steps, active, live, t0, t1, *, admitted=None, chunk=0,
-               pending=None):
+               pending=None, drafted=None, accepted=None, drafts=None):
     r: dict[str, Any] = dict(kind=kind, start=int(start), num_steps=int(num_steps),
                              active=[int(w) for w in active], live=[int(x) for x in live],
                              t0=float(t0), t1=float(t1))
@@ -67,6 +69,10 @@ class Timeline:
     if chunk:
       r['chunk'] = int(chunk)
       r['pending'] = [[[int(x) for x in e] for e in v] for v in (pending or [[] for _ in active])]
+    if drafted is not None:
+      r['drafted'] = [int(x) for x in drafted]
+      r['accepted'] = [int(x) for x in (accepted or [0] * len(active))]
+      r['drafts'] = [int(x) for x in (drafts or [0] * len(active))]
     self.steps.append(r)
 
   def add_finish(self, seq_id, worker, slot, num_tokens, reason, step):
@@ -215,6 +221,15 @@ def stalling_prefill_steps(tl: Timeline) -> int:
       held = sum(r['live']) > sum(q >= 0 for q in adm)
     n += r['num_steps'] * bool(held)
   return n
+
+
+def draft_summary(tl: Timeline) -> dict:
+  """Speculative decoding's measures over a rollout: drafted rows verified, drafted tokens
+  accepted (kept) and rejected, and the mean accepted length of a verified draft."""
+  tot = {k: sum(sum(r.get(k, ())) for r in tl.steps) for k in ('drafted', 'accepted', 'drafts')}
+  return dict(drafted_tokens=tot['drafted'], accepted_tokens=tot['accepted'],
+              rejected_tokens=tot['drafted'] - tot['accepted'],
+              mean_accepted_length=tot['accepted'] / tot['drafts'] if tot['drafts'] else 0.0)
 
 
 def finishes_by_step(tl: Timeline) -> dict[int, list[int]]:

@@ -80,6 +80,30 @@ mismatch); the contract it implements:
     left]): with its live rows and the finishes, every step's live rows and input tokens per
     worker follow (accounting.dispatch_steps), which is what prices it in seconds
     (costs.mixed_dispatch_seconds).
+
+Speculative decoding (`run(..., drafting=P)`, P a DraftingPolicy with `draft_tokens` D > 0; the
+executor is a DraftingExecutor with the same `draft_tokens`; not with chunked prefill). Before
+each dispatch the controller asks the executor for every live sequence's response tokens so far
+(`executor.responses`), and the policy for drafts (`P.drafts(st, responses, max_steps)`: seq id
+-> at most D tokens it guesses come next; a seq without one decodes plainly). Pages (paged KV)
+are grown and admission asks for max_steps + D tokens, the most a row can make in a dispatch.
+`executor.decode(max_steps, stop_on_refill, stop_on_idle, drafts=...)`, per step and worker:
+  - a live row s whose draft is still alive wants w_s = min(draft tokens it has not made yet,
+    limit - generated - 1) verification rows; the worker's free slots (not live at the step's
+    start) are handed out in slot order: s gets v_s = min(w_s, free slots left after the lower
+    live slots took theirs);
+  - the row's own token and its v_s drafted tokens run in one step; x_0..x_v are the tokens
+    plain decoding samples after each of them (the key of each position, bitwise its logits).
+    The row makes x_0..x_a, where a counts the leading drafted tokens equal to the token sampled
+    before them (x_{j-1} == d_j), cut after the first token that finishes it (limit or EOS);
+  - the draft stays alive while every token the row made equals the draft's token at that place
+    (where the draft has one); a dead draft verifies nothing for the rest of the dispatch.
+So the tokens are those plain decoding makes, only sooner. After the dispatch,
+`executor.dispatch_report` gives, for every sequence live at its start, (tokens made, drafted rows
+verified, drafted tokens kept); a Finish carries its `step` inside the dispatch. The stop rules are
+the one-shot ones. The timeline records each dispatch's `drafted`, `accepted` and `drafts`
+(sequences whose draft was verified) per worker, and the policy hears the report
+(`P.observe(dispatch_report)`).
 """
 
 from __future__ import annotations
@@ -113,6 +137,7 @@ class Finish:
   slot: int
   num_tokens: int  # generated tokens, the prefill's first token included
   reason: str  # 'length' | 'eos' | 'target'
+  step: int = -1  # drafting executors: the dispatch step (0-based) in which it finished
 
 
 def finish_reason(num_tokens: int, limit: int, *, target: bool, eos: bool) -> str:
@@ -197,6 +222,33 @@ class ChunkedExecutor(Executor, Protocol):
     ...
 
 
+class DraftingExecutor(Executor, Protocol):
+  """An executor of speculative decoding (module doc): `draft_tokens` (D) is the most drafted
+  tokens a row verifies in a dispatch."""
+  draft_tokens: int
+  dispatch_report: dict[int, tuple[int, int, int]]
+
+  def responses(self, seq_ids: list[int]) -> dict[int, np.ndarray]:
+    """The response tokens each of these live sequences has made so far (int32)."""
+    ...
+
+  def decode(self, max_steps: int, stop_on_refill: np.ndarray, stop_on_idle: np.ndarray,
+             drafts: dict[int, np.ndarray] | None = None) -> tuple[int, list[Finish]]:
+    ...
+
+
+class DraftingPolicy(Protocol):
+  """What drafts (policy.speculation.DraftPolicy)."""
+  draft_tokens: int
+
+  def drafts(self, st: State, responses: dict[int, np.ndarray],
+             max_steps: int) -> dict[int, np.ndarray]:
+    ...
+
+  def observe(self, report: dict[int, tuple[int, int, int]]) -> None:
+    ...
+
+
 @dataclass
 class Plan:
   """A release decision: migrations first, then the new active set."""
@@ -277,11 +329,12 @@ def turn_steps(pending: list[list[int]], chunk: int) -> list[int]:
 def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
         policy: ReleasePolicyLike, steps_per_dispatch: int = 8,
         clock: Callable[[], float] = time.perf_counter, slots_per_worker: int | None = None,
-        kv=None, prefill_chunk: int = 0) -> RolloutRecord:
+        kv=None, prefill_chunk: int = 0, drafting: DraftingPolicy | None = None
+        ) -> RolloutRecord:
   """Generate every sequence; see the module doc for the loop. kv: a policy.pages.PagePool
   (paged KV; its max_seqs rows are the slots), None = fixed slots. prefill_chunk: input tokens
   a decode step takes per worker (chunked prefill, the module doc's contract); 0 = one-shot
-  prefill steps."""
+  prefill steps. drafting: speculative decoding (the module doc's contract), None = off."""
   if steps_per_dispatch < 1:
     raise ValueError(f'steps_per_dispatch must be >= 1, got {steps_per_dispatch}')
   C = prefill_chunk
@@ -295,6 +348,13 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
   if C and not callable(getattr(executor, 'admit', None)):
     raise ControllerError('chunked prefill needs an executor with admit (ChunkedExecutor)')
   chunked_ex = cast(ChunkedExecutor, executor)
+  D = int(drafting.draft_tokens) if drafting is not None else 0
+  if D < 0 or D != int(getattr(executor, 'draft_tokens', 0) or 0):
+    raise ControllerError(f'the executor verifies draft_tokens='
+                          f'{getattr(executor, "draft_tokens", 0)}, the drafting policy drafts {D}')
+  if D and C:
+    raise ControllerError('speculative decoding and chunked prefill do not run together')
+  drafting_ex = cast(DraftingExecutor, executor)
   B = int(slots_per_worker or executor.slots_per_worker)
   cap = getattr(policy, 'max_rows', None)  # admission decided in seconds (costs.admission_rows)
   if cap:
@@ -335,7 +395,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
 
   def admits(w: int) -> bool:
     q = st.queues[w][0]
-    return kv is None or kv.admits(w, seq_by_id[q], resume.get(q, 0), steps_per_dispatch)
+    return kv is None or kv.admits(w, seq_by_id[q], resume.get(q, 0), steps_per_dispatch + D)
 
   if policy.enabled:  # workers the placement gave nothing go before the first step
     _release(st, policy, executor, tl, clock, where, kv, resume)
@@ -401,7 +461,7 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     deferred = shrunk and any(st.queues[w] and st.num_free(w) for w in st.active)
     max_steps = 1 if deferred and not C else steps_per_dispatch
     if kv is not None:  # pages for the dispatch's tokens; the youngest rows give way
-      lost = kv.grow({where[q]: g for q, g in st.generated.items()}, max_steps)
+      lost = kv.grow({where[q]: g for q, g in st.generated.items()}, max_steps + D)
       if lost:
         _preempt(st, executor, where, resume, [(w, s, w) for w, s, _ in lost])
         continue
@@ -417,6 +477,17 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
     snap = [[[e[0], e[2], e[1]] for e in st.pending[w]] for w in st.active] if C else None
     live0 = [st.num_live(w) - len(st.pending.get(w, ())) for w in st.active]
     shrunk = False
+    if D:
+      t0 = clock()
+      drafts = _drafts(st, drafting, drafting_ex, max_steps, D)
+      k, fins = drafting_ex.decode(max_steps, refill | np.asarray(stop_fin, bool),
+                                   np.asarray(stop_idle, bool), drafts=drafts)
+      t1 = clock()
+      if not 1 <= k <= max_steps:
+        raise ControllerError(f'decode ran {k} steps, asked for 1..{max_steps}')
+      _drafted_dispatch(st, drafting, drafting_ex, tl, k, fins, drafts, live0, t0, t1, where,
+                        finish)
+      continue
     t0 = clock()
     k, fins = executor.decode(max_steps, refill | np.asarray(stop_fin, bool),
                               np.asarray(stop_idle, bool))
@@ -453,6 +524,65 @@ def run(seqs: list[Seq], queues: dict[int, list[int]], executor: Executor,
   tl.t_end = clock()
   tl.add_release(st.active, st.step, tl.t_end, {}, final=True)
   return RolloutRecord(timeline=tl, finishes=done, prefill_worker=prefilled_on)
+
+
+def _drafts(st: State, drafting, executor, max_steps: int, D: int) -> dict[int, np.ndarray]:
+  """The policy's drafts for the live sequences, checked: at most D tokens, live seqs only."""
+  live = list(st.generated)
+  got = executor.responses(live)
+  for q in live:
+    if q not in got or len(got[q]) != st.generated[q]:
+      raise ControllerError(f'the executor reports {len(got.get(q, ()))} response tokens for seq '
+                            f'{q}; the controller counts {st.generated[q]}')
+  drafts = {}
+  for q, d in drafting.drafts(st, got, max_steps).items():
+    d = np.asarray(d, np.int32).reshape(-1)
+    if q not in st.generated:
+      raise ControllerError(f'a draft for seq {q}, which is not live')
+    if len(d) > D:
+      raise ControllerError(f'a draft of {len(d)} tokens for seq {q}; draft_tokens is {D}')
+    if len(d):
+      drafts[q] = d
+  return drafts
+
+
+def _drafted_dispatch(st: State, drafting, executor, tl: Timeline, k: int, fins, drafts,
+                      live0, t0, t1, where, finish) -> None:
+  """Account a speculative dispatch of k steps: every live sequence's tokens from the executor's
+  report, checked against the contract (a token a step at least, each kept drafted token one
+  more), its finishes at the steps they report; then the step count advances."""
+  report = {int(q): tuple(int(x) for x in v) for q, v in executor.dispatch_report.items()}
+  if set(report) != set(st.generated):
+    raise ControllerError(f'dispatch report for seqs {sorted(report)[:8]}, live were '
+                          f'{sorted(st.generated)[:8]}')
+  fin = {f.seq_id: f for f in fins}
+  if len(fin) != len(fins) or not set(fin) <= set(report):
+    raise ControllerError(f'decode finishes {sorted(fin)[:8]} are not of live seqs, once each')
+  pos = {w: i for i, w in enumerate(st.active)}
+  drafted, accepted, verified = ([0] * len(st.active) for _ in range(3))
+  for q, (made, rows, kept) in report.items():
+    d, f = len(drafts.get(q, ())), fin.get(q)
+    if f is not None and not 0 <= f.step < k:
+      raise ControllerError(f'seq {q} finished at dispatch step {f.step} of {k}')
+    steps = k if f is None else f.step + 1
+    if not (0 <= kept <= min(rows, d) and rows <= d and made == steps + kept):
+      raise ControllerError(f'seq {q}: {made} tokens in {steps} steps with {kept} of {rows} '
+                            f'drafted rows kept, from a draft of {d}')
+    if f is not None and f.num_tokens != st.generated[q] + made:
+      raise ControllerError(f'seq {q} finished with {f.num_tokens} tokens; it had '
+                            f'{st.generated[q]} and made {made}')
+    i = pos[where[q][0]]
+    drafted[i] += rows
+    accepted[i] += kept
+    verified[i] += rows > 0
+  tl.add_step('decode', st.step, k, st.active, live0, t0, t1, drafted=drafted, accepted=accepted,
+              drafts=verified)
+  for f in fins:
+    finish(f, st.step + f.step)
+  for q in st.generated:
+    st.generated[q] += report[q][0]
+  st.step += k
+  drafting.observe(report)
 
 
 def _preempt(st: State, executor: Executor, where, resume, lost) -> None:
