@@ -14,17 +14,33 @@ contract. Admitted sequences wait in per-worker pending lists (their slots reser
 a dispatch works out from C at which step each one's input turns in, jumps to the first step at
 which a stop rule fires, as for live rows, and prices the mixed steps with the cost model's
 mixed_seconds (costs.mixed_dispatch_seconds).
+
+Speculative decoding (`SimExecutor(..., responses=R, draft_tokens=D)`, `simulate(...,
+drafting=P)`): the executor side of the controller's drafting contract. Drafting keeps the
+tokens plain decoding makes, so a sequence's true continuation (its response in R, whose length
+is the sequence's length and plays the part of its limit or EOS) decides exactly which drafted
+tokens are kept: given the same drafts the simulator runs the engine's drafting dispatches step
+for step. A dispatch with drafts runs a per-step loop (the contract's rule, row by row); one
+without drafts takes the jump above. A step with drafted rows is priced with the cost model's
+mixed_seconds, its verification rows as input tokens beside the live rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, overload
 
 import numpy as np
 
 from flexfloor_jax.policy import costs
-from flexfloor_jax.policy.controller import Finish, RolloutRecord, Seq, finish_reason, run
+from flexfloor_jax.policy.controller import (
+  Finish,
+  RolloutRecord,
+  Seq,
+  dispatch_stops,
+  finish_reason,
+  run,
+)
 
 
 class SimError(RuntimeError):
@@ -43,6 +59,9 @@ class SimExecutor:
   prefill_chunk: input tokens a decode step takes per worker (chunked prefill: sequences come in
   by `admit`); 0 = one-shot prefill steps. With `step_cost` a mixed step is priced as a decode
   step of its live rows (that model knows no input tokens).
+  responses: seq id -> its full response tokens (their count is then its length; `lengths`, if
+  given too, must agree); draft_tokens: D > 0 makes this a DraftingExecutor (the controller's
+  speculative decoding contract), which needs `responses`. Not with chunked prefill.
   """
 
   def __init__(self, seqs: list[Seq], num_workers: int, slots_per_worker: int,
@@ -51,13 +70,28 @@ class SimExecutor:
                kv_bytes_per_token: int = 1, migrate_cost: Callable[[int], float] | None = None,
                expert_placement=None, expert_bytes: int = 0,
                shrink_cost: Callable[[int], float] | None = None, cost=None,
-               prefill_chunk: int = 0):
+               prefill_chunk: int = 0,
+               responses: Mapping[int, Sequence[int] | np.ndarray] | None = None,
+               draft_tokens: int = 0):
     self.seqs = {s.seq_id: s for s in seqs}
     self.slots_per_worker = B = int(slots_per_worker)
     self.num_workers = N = int(num_workers)
+    self.resp: dict[int, np.ndarray] | None = None
+    if responses is not None:
+      self.resp = {}
+      for q in self.seqs:
+        if q not in responses:
+          raise SimError(f'no response for seq {q}')
+        r = np.asarray(responses[q], np.int32).reshape(-1)
+        if not len(r):
+          raise SimError(f'seq {q} has an empty response')
+        if lengths is not None and int(lengths[q]) != len(r):
+          raise SimError(f'seq {q}: length {lengths[q]}, but its response has {len(r)} tokens')
+        self.resp[q] = r
     self.length = {}
     for q, s in self.seqs.items():
-      L = s.target_len if lengths is None else lengths[q]
+      L = (s.target_len if lengths is None else lengths[q]) if self.resp is None \
+          else len(self.resp[q])
       if L is None:
         raise SimError(f'seq {q} has no target_len and no length was given')
       self.length[q] = int(min(max(int(L), 1), s.max_new_tokens))
@@ -81,6 +115,16 @@ class SimExecutor:
     # input tokens run, tokens it had kept]; those slots are reserved in `pending_slot`
     self.pend: list[list[list[int]]] = [[] for _ in range(N)]
     self.pending_slot: set[tuple[int, int]] = set()
+    if isinstance(draft_tokens, bool) or int(draft_tokens) != draft_tokens or draft_tokens < 0:
+      raise SimError(f'draft_tokens must be an integer >= 0, got {draft_tokens!r}')
+    self.draft_tokens = int(draft_tokens)
+    if self.draft_tokens and self.resp is None:
+      raise SimError('drafting (draft_tokens > 0) needs the responses')
+    if self.draft_tokens and self.prefill_chunk:
+      raise SimError('speculative decoding and chunked prefill do not run together')
+    # drafting: every seq live at the last decode's start -> (tokens made, drafted rows
+    # verified, drafted tokens kept)
+    self.dispatch_report: dict[int, tuple[int, int, int]] = {}
 
   def clock(self) -> float:
     return self.t
@@ -148,7 +192,20 @@ class SimExecutor:
       out.append(-(-end // C) - 1)
     return out
 
-  def decode(self, max_steps, stop_on_refill, stop_on_idle):
+  def responses(self, seq_ids) -> dict[int, np.ndarray]:
+    """Drafting: the response tokens each of these sequences has made so far (int32)."""
+    if self.resp is None:
+      raise SimError('responses needs the executor built with responses')
+    made = dict(self.resume)
+    for w in range(self.num_workers):
+      for q, g in zip(self.slot_seq[w], self.generated[w], strict=True):
+        if q >= 0:
+          made[q] = g
+    return {int(q): self.resp[q][:made.get(q, 0)] for q in seq_ids}
+
+  def decode(self, max_steps, stop_on_refill, stop_on_idle, drafts=None):
+    if drafts:
+      return self._decode_drafted(max_steps, stop_on_refill, stop_on_idle, drafts)
     if self.prefill_chunk:
       return self._decode_chunked(max_steps, stop_on_refill, stop_on_idle)
     k = int(max_steps)
@@ -175,10 +232,108 @@ class SimExecutor:
       for j in range(k):
         self.t += float(self.step_cost('decode', len(self._active), sum(r > j for r in rems)))
     self.steps += k
+    if self.draft_tokens:  # no drafts: each live row makes a token a step until it finishes
+      self.dispatch_report = {q: (min(r, k), 0, 0) for w in self._active
+                              for q, r in zip(self.slot_seq[w], self.remaining[w], strict=True)
+                              if q >= 0}
     out: list[Finish] = []
     for w in self._active:
       self._advance_rows(w, k, out)
     return k, out
+
+  def _decode_drafted(self, max_steps, stop_on_refill, stop_on_idle, drafts):
+    """decode() with drafts, step by step (the controller's contract): per active worker its
+    free slots at the step's start go to its live rows with a live draft in slot order, each
+    verifying v = min(draft tokens it has not made, tokens it may still make - 1, free slots
+    left) drafted tokens; it makes its own token and the leading drafted ones its response
+    confirms (x_{j-1} == d_j), and its draft dies at the first token it makes that differs
+    from the draft. Stops as the one-shot jump does (`dispatch_stops` after every step)."""
+    if self.prefill_chunk:
+      raise SimError('speculative decoding and chunked prefill do not run together')
+    if self.resp is None:
+      raise SimError('drafts need the executor built with responses')
+    B, act = self.slots_per_worker, list(self._active)
+    report = {q: [0, 0, 0] for w in act for q in self.slot_seq[w] if q >= 0}
+    draft: dict[int, np.ndarray] = {}
+    for q, d in drafts.items():
+      d = np.asarray(d, np.int32).reshape(-1)
+      if q not in report:
+        raise SimError(f'a draft for seq {q}, which is not live')
+      if len(d) > self.draft_tokens:
+        raise SimError(f'a draft of {len(d)} tokens for seq {q}; draft_tokens is '
+                       f'{self.draft_tokens}')
+      if len(d):
+        draft[q] = d
+    self.dispatch_report = {}
+    if not report:
+      return 0, []
+    alive = set(draft)
+    out: list[Finish] = []
+    priced: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    n, k = len(act), 0
+    while k < max_steps:
+      rows, kv, drafted, past = (np.zeros(n) for _ in range(4))
+      finished = []
+      for i, w in enumerate(act):
+        row, rem, gen = self.slot_seq[w], self.remaining[w], self.generated[w]
+        free = B - sum(q >= 0 for q in row)  # slots not live at the step's start
+        for s, q in enumerate(row):
+          if q < 0:
+            continue
+          g, r, rep = gen[s], rem[s], report[q]
+          ctx = self.seqs[q].prompt_len + g
+          rows[i] += 1
+          kv[i] += ctx
+          v = a = 0
+          if q in alive:
+            d, m, true = draft[q], rep[0], self.resp[q]
+            # the rows it asks for are bounded by its limit (what the engine knows), not by its
+            # length: a response that ends at EOS verifies rows past its end, which it never uses
+            sq = self.seqs[q]
+            room = min(sq.target_len or sq.max_new_tokens, sq.max_new_tokens) - g - 1
+            v = max(0, min(len(d) - m, room, free))
+            free -= v
+            while a < min(v, r) and true[g + a] == d[m + a]:
+              a += 1
+            c = min(1 + a, len(d) - m)  # the tokens it makes that the draft has a token for
+            if c <= 0 or not np.array_equal(true[g:g + c], d[m:m + c]):
+              alive.discard(q)  # wrong, or spent
+          made = min(1 + a, r)
+          a = made - 1  # the drafted tokens it keeps: none past its last token
+          if v:  # its v drafted tokens extend a prefix of ctx tokens, as a chunk of input does
+            drafted[i] += v
+            past[i] += ctx
+          rep[0] += made
+          rep[1] += v
+          rep[2] += a
+          gen[s] += made
+          rem[s] -= made
+          if rem[s] <= 0:
+            out.append(Finish(q, w, s, gen[s], self._reason(q), k))
+            row[s], rem[s] = -1, 0
+            finished.append(w)
+      priced.append((rows, kv, drafted, past))
+      k += 1
+      live = {w for w in act if any(q >= 0 for q in self.slot_seq[w])}
+      if dispatch_stops(finished, live, act, stop_on_refill, stop_on_idle):
+        break
+    self.steps += k
+    self.dispatch_report = {q: (v[0], v[1], v[2]) for q, v in report.items()}
+    self._price_drafted(priced)
+    return k, out
+
+  def _price_drafted(self, steps) -> None:
+    """Seconds of a drafted dispatch's steps, each (rows_w, kv_w, drafted_w, past_w) per active
+    worker: its live rows and their cached tokens, its verification rows and the context they
+    extend (each row's cached tokens plus the drafted tokens before it, summed). A step with
+    verification rows is the cost model's mixed step, its drafted rows the input tokens; one
+    without is the decode step; `step_cost` prices every step as a decode step of its rows."""
+    for rows, kv, drafted, past in steps:
+      if self.time_model is not None:
+        self.t += float(self.time_model.mixed_seconds(rows, kv, drafted, past) if drafted.any()
+                        else self.time_model.worker_step_seconds(rows, kv))
+      elif self.step_cost is not None:
+        self.t += float(self.step_cost('decode', len(self._active), int(rows.sum())))
 
   def _decode_chunked(self, max_steps, stop_on_refill, stop_on_idle):
     """decode() under chunked prefill: every row finishes at a known step (a pending one: its
@@ -257,7 +412,8 @@ class SimExecutor:
       if q < 0:
         continue
       if rem[s] <= k:
-        out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q)))
+        out.append(Finish(q, w, s, gen[s] + rem[s], self._reason(q),
+                          rem[s] - 1 if self.draft_tokens else -1))
         row[s], rem[s] = -1, 0
       else:
         rem[s] -= k
@@ -321,32 +477,36 @@ class SimExecutor:
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
              return_record: Literal[False] = False, kv=None, prefill_chunk: int = 0,
-             **executor_kw) -> dict: ...
+             drafting=None, **executor_kw) -> dict: ...
 
 
 @overload
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8, *,
              return_record: Literal[True], kv=None, prefill_chunk: int = 0,
-             **executor_kw) -> tuple[dict, RolloutRecord]: ...
+             drafting=None, **executor_kw) -> tuple[dict, RolloutRecord]: ...
 
 
 def simulate(seqs: list[Seq], lengths: Mapping[int, int] | None, queues: dict[int, list[int]],
              policy, num_workers: int, slots_per_worker: int, steps_per_dispatch: int = 8,
              return_record: bool = False, kv=None, prefill_chunk: int = 0,
-             **executor_kw) -> dict | tuple[dict, RolloutRecord]:
+             drafting=None, **executor_kw) -> dict | tuple[dict, RolloutRecord]:
   """One simulated rollout -> accounting metrics (and the RolloutRecord if asked).
   kv: a policy.pages.PagePool (paged KV; slots_per_worker must be its max_seqs); its stats
   (preemptions, peak pages, ...) join the metrics under 'kv'. prefill_chunk: chunked prefill's
-  input tokens per step per worker (0 = one-shot prefill steps)."""
+  input tokens per step per worker (0 = one-shot prefill steps). drafting: a controller
+  DraftingPolicy (speculative decoding; pass `responses` among the executor's keywords;
+  draft_tokens defaults to the policy's)."""
   if kv is not None and kv.max_seqs != slots_per_worker:
     raise SimError(f'paged KV: slots_per_worker {slots_per_worker} != max_seqs {kv.max_seqs}')
+  if drafting is not None:
+    executor_kw.setdefault('draft_tokens', int(drafting.draft_tokens))
   ex = SimExecutor(seqs, num_workers, slots_per_worker, lengths, prefill_chunk=prefill_chunk,
                    **executor_kw)
   timed = executor_kw.get('step_cost') or executor_kw.get('cost')
   clock = ex.clock if timed else _step_clock(ex)
   rec = run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch, clock=clock, kv=kv,
-            prefill_chunk=prefill_chunk)
+            prefill_chunk=prefill_chunk, drafting=drafting)
   m = rec.metrics()
   if kv is not None:
     m['kv'] = kv.stats()

@@ -12,6 +12,13 @@ and a dispatch's mixed steps are priced from the input tokens each worker runs i
 (the pending lists the timeline records at each dispatch: costs.mixed_dispatch_seconds over
 the cost model's mixed_seconds). The `cpu` preset (LinearCost) was fitted on one-shot runs and
 has no input-token term: it prices a mixed step as the decode step of its rows.
+
+Speculative decoding (`replay(..., responses=R, drafting=P)`): the controller drafts as the
+engine did (P, a DraftingPolicy, asked for drafts from the tokens each sequence has made of its
+response in R) and the executor keeps the drafted tokens the responses confirm, so a drafted run
+replays step for step given the same drafts. A step with drafted rows is priced as a mixed step
+(the cost model's mixed_seconds, its verification rows as input tokens); the `cpu` preset counts
+verification rows as decode rows.
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ class CostExecutor(stepsim.SimExecutor):
 
   def __init__(self, seqs, num_workers, slots_per_worker, lengths=None, *, cost=None,
                expert_placement=None, kv_bytes_per_token: int = 1, expert_bytes: int = 0,
-               prefill_chunk: int = 0):
+               prefill_chunk: int = 0, responses=None, draft_tokens: int = 0):
     super().__init__(seqs, num_workers, slots_per_worker, lengths,
                      kv_bytes_per_token=kv_bytes_per_token, expert_placement=expert_placement,
-                     expert_bytes=expert_bytes, prefill_chunk=prefill_chunk)
+                     expert_bytes=expert_bytes, prefill_chunk=prefill_chunk,
+                     responses=responses, draft_tokens=draft_tokens)
     self.cost = cost
 
   def clock(self) -> float:
@@ -80,8 +88,10 @@ class CostExecutor(stepsim.SimExecutor):
       self.t += c.step_seconds(self._experts_held(), tok, tok, tok * tok / 2)
     return out
 
-  def decode(self, max_steps, stop_on_refill, stop_on_idle):
+  def decode(self, max_steps, stop_on_refill, stop_on_idle, drafts=None):
     c = self.cost
+    if drafts:  # step by step; its steps are priced by _price_drafted
+      return super().decode(max_steps, stop_on_refill, stop_on_idle, drafts=drafts)
     if c is None:
       return super().decode(max_steps, stop_on_refill, stop_on_idle)
     rem, ctx = self._ctx_matrix()
@@ -108,6 +118,23 @@ class CostExecutor(stepsim.SimExecutor):
       self.t += costs.dispatch_seconds(lambda rows, kv: c.step_seconds(held, rows, kv), rem, ctx,
                                        k)
     return k, out
+
+  def _price_drafted(self, steps) -> None:
+    """A drafted dispatch's steps, each (rows_w, kv_w, drafted_w, past_w) per active worker
+    (SimExecutor._price_drafted): the roofline's mixed step (its decode step where no row is
+    drafted); the `cpu` preset's dispatch with the verification rows counted as decode rows."""
+    c = self.cost
+    if c is None or not steps:
+      return
+    if isinstance(c, LinearCost):
+      k, n, S = len(steps), len(self._active), self._expert_slots()
+      slot_steps = float(sum(rows.sum() + drafted.sum() for rows, _, drafted, _ in steps))
+      self.t += (c.decode_dispatch + k * c.decode_step + k * n * c.decode_step_worker
+                 + k * n * S * c.decode_step_worker_slot + slot_steps * c.decode_slot_step)
+      return
+    held = self._experts_held()
+    for rows, kv, drafted, past in steps:
+      self.t += float(c.mixed_seconds(held, rows, kv, drafted, past))
 
   def migrate(self, moves):
     kv = super().migrate(moves)
@@ -145,7 +172,8 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
            model: Model | None = None, steps_per_dispatch: int = 8, placement: str = "auto",
            compaction: bool = True, epoch: int = 0,
            num_experts: int | None = None, sizes=None, makespan_slack: float = 0.05,
-           policy_cost=None, step_cost: str = "measured", kv=None, prefill_chunk: int = 0):
+           policy_cost=None, step_cost: str = "measured", kv=None, prefill_chunk: int = 0,
+           responses=None, drafting=None, draft_tokens: int | None = None):
   """One rollout through the real policy code on a cost model -> (metrics, record).
   cost=None: one second per step (stepsim's convention). `model` sizes the expert placement
   (`preallocated_slots`: what the runner preallocates).
@@ -157,7 +185,11 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
   `slots_per_worker`; the placement is simulated on it and the rollout runs on one (its stats in
   the metrics under 'kv').
   `prefill_chunk`: the run's chunked prefill (input tokens a step per worker; 0 = one-shot
-  prefill steps), priced step by step from the input tokens each worker runs."""
+  prefill steps), priced step by step from the input tokens each worker runs.
+  `responses` (seq id -> its response tokens; their counts are the lengths) and `drafting` (a
+  controller DraftingPolicy): the run's speculative decoding, replayed with the policy's drafts
+  (`draft_tokens`: the executor's, default the policy's; responses alone replay plain decoding
+  of them)."""
   queues, policy, pred = plan.plan_rollout(
       seqs, history, schedule, num_workers, slots_per_worker, floor,
       steps_per_dispatch=steps_per_dispatch, placement=placement, compaction=compaction,
@@ -169,10 +201,12 @@ def replay(seqs: list[Seq], lengths: Mapping[int, int] | None, history, schedule
   ex = CostExecutor(seqs, num_workers, slots_per_worker, lengths, cost=cost, expert_placement=pl,
                     kv_bytes_per_token=model.kv_bytes_per_token if model else 1,
                     expert_bytes=model.expert_bytes if model else 0,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, responses=responses,
+                    draft_tokens=(draft_tokens if draft_tokens is not None else
+                                  int(drafting.draft_tokens) if drafting is not None else 0))
   pool = kv(pred) if kv is not None else None
   rec = controller.run(seqs, queues, ex, policy, steps_per_dispatch=steps_per_dispatch,
-                       clock=ex.clock, kv=pool, prefill_chunk=prefill_chunk)
+                       clock=ex.clock, kv=pool, prefill_chunk=prefill_chunk, drafting=drafting)
   m = rec.metrics()
   if pool is not None:
     m["kv"] = pool.stats()
