@@ -57,6 +57,8 @@ MAX_DEVICE_MEMORY_GB = 16384.0
 # The workload's lognormal spreads (sigma and the noises): past this nearly every length sits at
 # 1 or at the cap, whatever the median
 MAX_WORKLOAD_SIGMA = 3.0
+# speculative decoding: each drafted token is a decode row a step verifies
+MAX_DRAFT_TOKENS = 64
 
 
 def Seed(doc: str):
@@ -125,6 +127,12 @@ class RolloutSettings:
   max_prefill_chunk: int = Int(0, default=0, note=" (0 = rollout.prefill_chunk)",
                                doc="the compiled bound of prefill_chunk: runs with chunks up to "
                                "it share their executables and their tokens")
+  draft_tokens: int = Int(0, MAX_DRAFT_TOKENS, default=0, note=" (0 = off)",
+                          doc="speculative decoding: tokens drafted per live sequence and "
+                          "dispatch from earlier epochs' responses and sibling samples, verified "
+                          "in free decode rows (the responses do not change); 0 = off")
+  draft_store: str = Text(default="", doc="speculative decoding: the response store file; '' = "
+                          "response_store.npz beside the length history")
 
   @property
   def max_seqs(self) -> int:
@@ -446,6 +454,13 @@ def check_chunk(ro: RolloutSettings) -> None:
   if bound and not c:
     raise ConfigError(f"rollout.max_prefill_chunk={bound} without rollout.prefill_chunk: set "
                       "the chunk too, or 0 for both")
+  d = ro.draft_tokens
+  if d and ro.max_new_tokens and d >= ro.max_new_tokens:
+    raise ConfigError(f"rollout.draft_tokens={d} must be below rollout.max_new_tokens="
+                      f"{ro.max_new_tokens}")
+  if d and c:
+    raise ConfigError(f"rollout.draft_tokens={d} with rollout.prefill_chunk={c}: speculative "
+                      "decoding and chunked prefill do not run together; set one of them to 0")
 
 
 def check_cache(ro: RolloutSettings, max_seq_len: int, prompt_len: int | None = None,

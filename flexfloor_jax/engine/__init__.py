@@ -21,6 +21,7 @@ from flexfloor_jax.engine.state import (
   SCALAR_COLS,
   DecodeState,
   Scalars,
+  ring_chunk,
   state_bytes_per_worker,
   state_shapes,
 )
@@ -29,6 +30,6 @@ from flexfloor_jax.engine.step_set import StepCache, StepCachePool, StepSet, def
 __all__ = [
     "DECODE_COLS", "PREFILL_COLS", "SCALAR_COLS", "DecodeState", "Engine", "EngineSpec",
     "Scalars", "SeqInput", "SeqOutput", "StepCache", "StepCachePool", "StepSet", "abstract_split",
-    "cache_spec", "default_compile_threads", "expert_spec", "merge_params", "slot_layout",
-    "split_params", "state_bytes_per_worker", "state_shapes",
+    "cache_spec", "default_compile_threads", "expert_spec", "merge_params", "ring_chunk",
+    "slot_layout", "split_params", "state_bytes_per_worker", "state_shapes",
 ]

@@ -93,6 +93,13 @@ class Engine:
     # tokens taken, tokens it had made before (a resumed sequence)]
     self.prefill_chunk = spec.prefill_rows
     self._pending: dict[int, list[list]] = {}
+    # speculative decoding (spec.draft_tokens): the most drafted tokens a slot verifies in a
+    # dispatch; after each dispatch, per sequence live at its start, (tokens made, drafted rows
+    # verified, drafted tokens kept) (policy.controller's DraftingExecutor)
+    self.draft_tokens = spec.draft_tokens
+    self.dispatch_report: dict[int, tuple[int, int, int]] = {}
+    self._generated: dict[int, int] = {}  # seq id -> tokens made, as the last read saw it
+    self._drafts_seen: dict[int, tuple[int, int]] = {}  # seq id -> the last call's (drafted, kept)
 
   # -- setup
   @property
@@ -244,12 +251,53 @@ class Engine:
   def _pending_slots(self) -> set[tuple[int, int]]:
     return {(w, ent[0]) for w, lst in self._pending.items() for ent in lst}
 
-  def decode(self, max_steps: int, stop_on_refill, stop_on_idle) -> tuple[int, list[Finish]]:
+  def responses(self, seq_ids: Sequence[int]) -> dict[int, np.ndarray]:
+    """The response tokens each of these live sequences has made so far (speculative decoding's
+    drafts continue them): one read of the outputs."""
+    scalars, toks = self._read(self.state.scalars, self.state.out_tokens)
+    b, n_col = self.spec.slots_per_worker, state_lib.SCALAR_COLS.index("n_gen")
+    where = {sid: ws for ws, sid in self._seq_in_slot.items()}
+    out = {}
+    for sid in seq_ids:
+      w, s = where[sid]
+      row = self._pos(w) * b + s
+      k = int(scalars[row, n_col])
+      kept = self._kept.get(sid, ([], []))[0]  # a resumed sequence's tokens from before
+      out[sid] = np.asarray(list(kept) + toks[row, len(kept):k].tolist(), np.int32)
+    return out
+
+  def _draft_array(self, drafts: dict[int, np.ndarray]) -> np.ndarray:
+    """[active workers, B, 1 + D] the drafts by slot: length, then tokens."""
+    d_n, b = self.spec.draft_tokens, self.spec.slots_per_worker
+    out = np.zeros((len(self.active), b, 1 + d_n), np.int32)
+    where = {sid: ws for ws, sid in self._seq_in_slot.items()}
+    for sid, d in drafts.items():
+      d = np.asarray(d, np.int32).reshape(-1)
+      if len(d) > d_n:
+        raise ValueError(f"a draft of {len(d)} tokens for seq {sid}; draft_tokens is {d_n}")
+      if sid not in where:
+        raise ValueError(f"a draft for seq {sid}, which is not live")
+      w, s = where[sid]
+      out[self._pos(w), s, 0] = len(d)
+      out[self._pos(w), s, 1:1 + len(d)] = d
+    return out
+
+  def decode(self, max_steps: int, stop_on_refill, stop_on_idle,
+             drafts: dict[int, np.ndarray] | None = None) -> tuple[int, list[Finish]]:
     """Up to `max_steps` decode steps on all active workers (stop masks by worker position);
-    chunked prefill: each step also takes its workers' next input tokens."""
+    chunked prefill: each step also takes its workers' next input tokens; speculative decoding
+    (spec.draft_tokens > 0): `drafts` (seq id -> at most draft_tokens tokens) are verified in
+    the workers' free decode rows, and `dispatch_report` says what each sequence made."""
     self._migrate_t0 = None
     ss = self.stepset
     tables = self._page_tables()[self.active] if self.spec.paged else None
+    d_n = self.spec.draft_tokens
+    if drafts and not d_n:
+      raise ValueError("drafts need an engine with spec.draft_tokens > 0")
+    todo: dict[int, np.ndarray] = dict(drafts or {})
+    before = dict(self._generated) if d_n else {}
+    live0 = [sid for ws, sid in self._seq_in_slot.items()] if d_n else []
+    tally: dict[int, tuple[int, int]] = dict.fromkeys(live0, (0, 0))
 
     def host(k):
       queue = queued = None
@@ -257,7 +305,13 @@ class Engine:
         queue, queued = self._queue(k)
       return ss.put_host(state_lib.decode_host(
           k, stop_on_refill, stop_on_idle, tables, self.spec.sampling.temperature, queue=queue,
-          queued=queued, chunk=self.prefill_chunk, seed=self.seed, epoch=self.epoch), self.e2s)
+          queued=queued, chunk=self.prefill_chunk, seed=self.seed, epoch=self.epoch,
+          drafts=self._draft_array(todo) if d_n else None), self.e2s)
+
+    def count():
+      for sid, (r, kept) in self._drafts_seen.items():
+        if sid in tally:
+          tally[sid] = (tally[sid][0] + r, tally[sid][1] + kept)
 
     total, finishes = 0, []
     if self._pending_release_t0 is not None and max_steps > 0:
@@ -270,16 +324,47 @@ class Engine:
       total = int(steps)
       self._take(total)
       finishes = self._read_finishes()
+      count()
       live = {w for w, _ in self._seq_in_slot}
       if total == 0 or max_steps == 1 or dispatch_stops(
           [f.worker for f in finishes], live, self.active, stop_on_refill, stop_on_idle):
+        self._report(before, live0, tally)
         return total, finishes
       max_steps -= 1
+      if todo:  # what the step made moves each draft on, or ends it where they differ
+        todo = self._drafts_after(todo, before)
     self.state, steps, counts = ss["decode"](self.rest, self.experts, self.state, host(max_steps))
     steps, counts = self._read(steps, counts)
     self.expert_counts += counts
     self._take(int(steps))
-    return total + int(steps), finishes + self._read_finishes()
+    finishes += self._read_finishes(step_offset=total)
+    count()
+    self._report(before, live0, tally)
+    return total + int(steps), finishes
+
+  def _drafts_after(self, drafts: dict[int, np.ndarray], before: dict[int, int]
+                    ) -> dict[int, np.ndarray]:
+    """The drafts still alive after a dispatch's first device call, moved past the tokens it made
+    (its drafts' places start over with each call)."""
+    live = [sid for sid in drafts if sid in self._seq_in_slot.values()]
+    got = self.responses(live)
+    out = {}
+    for sid in live:
+      made = got[sid][before[sid]:]
+      d = np.asarray(drafts[sid])
+      m = min(len(made), len(d))
+      if np.array_equal(made[:m], d[:m]) and len(d) > len(made):
+        out[sid] = d[len(made):]
+    return out
+
+  def _report(self, before: dict[int, int], live0: list[int], tally: dict) -> None:
+    """dispatch_report for the sequences live at the dispatch's start (speculative decoding)."""
+    if not self.spec.draft_tokens:
+      return
+    self.dispatch_report = {sid: (self._generated[sid] - before[sid], *tally[sid])
+                            for sid in live0}
+    for sid in [s for s in self._generated if s not in self._seq_in_slot.values()]:
+      del self._generated[sid]
 
   def _first_output_on_new_mesh(self, out):
     """Release decision -> first output on the new mesh (block_until_ready), recorded once."""
@@ -289,13 +374,20 @@ class Engine:
     self.release_sizes.append(len(self.active))
     self._pending_release_t0 = None
 
-  def _read_finishes(self) -> list[Finish]:
+  def _read_finishes(self, step_offset: int = 0) -> list[Finish]:
     """Results of the sequences finished since the last call (into `outputs`): the small
-    scalars array is read every time, the outputs only when something finished."""
+    scalars array is read every time, the outputs only when something finished. A Finish's
+    step is the device call's step + `step_offset` (the steps of the dispatch before it)."""
     scalars, = self._read(self.state.scalars)
-    live = scalars[:, state_lib.SCALAR_COLS.index("live")]
-    n_gen = scalars[:, state_lib.SCALAR_COLS.index("n_gen")]
+    col = {name: scalars[:, i] for i, name in enumerate(state_lib.SCALAR_COLS)}
+    live, n_gen = col["live"], col["n_gen"]
     b = self.spec.slots_per_worker
+    if self.spec.draft_tokens:
+      self._drafts_seen = {}
+      for (w, s), sid in self._seq_in_slot.items():
+        row = self._pos(w) * b + s
+        self._generated[sid] = int(n_gen[row])
+        self._drafts_seen[sid] = (int(col["drafted"][row]), int(col["accepted"][row]))
     pending = self._pending_slots()  # admitted, input not all in: not live yet, not finished
     done = [(w, s, sid) for (w, s), sid in self._seq_in_slot.items()
             if not live[self._pos(w) * b + s] and (w, s) not in pending]
@@ -316,7 +408,8 @@ class Engine:
       self.outputs[sid] = SeqOutput(tk, lp, reason, w, s,
                                     None if routes is None else routes[row, :fed].copy())
       del self._seq_in_slot[(w, s)]
-      out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason))
+      out.append(Finish(seq_id=sid, worker=w, slot=s, num_tokens=k, reason=reason,
+                        step=int(col["done_step"][row]) + step_offset))
     return out
 
   def _merged(self, sid: int, toks, lps) -> tuple[list, list]:

@@ -57,8 +57,15 @@ class EngineSpec:
   # takes its queue of at most `prefill_queue` entries per worker. 0: one-shot prefill steps.
   prefill_rows: int = 0
   prefill_queue: int = 0
+  # Speculative decoding (draft_tokens D > 0): each dispatch brings up to D drafted tokens per
+  # slot, which the decode steps verify in the worker's free decode rows (steps.decode_local);
+  # 0: plain decoding. Not with chunked prefill.
+  draft_tokens: int = 0
 
   def __post_init__(self):
+    if self.draft_tokens < 0 or (self.draft_tokens and self.prefill_rows):
+      raise ValueError(f"EngineSpec: draft_tokens ({self.draft_tokens}) must be >= 0, and 0 "
+                       "with chunked prefill (prefill_rows > 0)")
     if self.prefill_rows < 0 or (self.prefill_queue < self.prefill_rows if self.prefill_rows
                                  else self.prefill_queue != 0):
       raise ValueError(f"EngineSpec: prefill_rows ({self.prefill_rows}) must be >= 0, and "

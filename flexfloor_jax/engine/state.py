@@ -42,7 +42,11 @@ from flax import struct
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.paged import PagedKVCache
 
-SCALAR_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1")
+# done_step, drafted, accepted: what the last decode dispatch did to the slot (the step it
+# finished in, -1 none; speculative decoding: the drafted rows it verified and the drafted tokens
+# it kept), reset at every dispatch's start
+SCALAR_COLS = ("tokens", "positions", "live", "n_gen", "limit", "stop_eos", "key0", "key1",
+               "done_step", "drafted", "accepted")
 _SCALAR = {name: i for i, name in enumerate(SCALAR_COLS)}
 
 
@@ -56,6 +60,9 @@ class Scalars:
   limit: jax.Array  # tokens to generate at most
   stop_eos: jax.Array  # bool
   key: jax.Array  # uint32[2] sequence key
+  done_step: jax.Array  # the last dispatch's step in which it finished, -1 none
+  drafted: jax.Array  # drafted rows it verified in the last dispatch
+  accepted: jax.Array  # drafted tokens it kept in the last dispatch
 
   if TYPE_CHECKING:  # flax.struct.dataclass adds it (dataclasses.replace)
     def replace(self, **changes: Any) -> Scalars: ...
@@ -67,6 +74,7 @@ class Scalars:
 
     return cls(tokens=col("tokens"), positions=col("positions"), live=col("live") != 0,
                n_gen=col("n_gen"), limit=col("limit"), stop_eos=col("stop_eos") != 0,
+               done_step=col("done_step"), drafted=col("drafted"), accepted=col("accepted"),
                key=jax.lax.bitcast_convert_type(
                    a[:, _SCALAR["key0"]:_SCALAR["key1"] + 1], jnp.uint32))
 
@@ -139,12 +147,20 @@ def cache_fields(cache: tfm.KVCache | PagedKVCache) -> dict:
   return dict(kv, k_ring=cache.k_ring, v_ring=cache.v_ring)
 
 
+def ring_chunk(prefill_rows: int = 0, draft_tokens: int = 0) -> int:
+  """The most query rows one sequence has in a step (kv_layout's chunk): a chunk of its prompt
+  (chunked prefill), or its token and its drafted tokens (speculative decoding)."""
+  return max(1, int(prefill_rows), int(draft_tokens) + 1)
+
+
 def state_shapes(spec, n: int) -> DecodeState:
   """DecodeState of ShapeDtypeStructs for n workers (`spec`: an EngineSpec, or anything with its
   cfg, slots_per_worker, max_seq_len, max_new_tokens and record_routes)."""
   cfg, nb = spec.cfg, n * spec.slots_per_worker
-  # chunked prefill: a sliding layer's ring holds a chunk more than its window (kv_layout)
-  lay = tfm.kv_layout(cfg, spec.max_seq_len, chunk=max(1, getattr(spec, "prefill_rows", 0)))
+  # chunked prefill, drafting: a sliding layer's ring holds the query rows a sequence has in one
+  # step beyond its window (kv_layout)
+  lay = tfm.kv_layout(cfg, spec.max_seq_len, chunk=ring_chunk(getattr(spec, "prefill_rows", 0),
+                                                               getattr(spec, "draft_tokens", 0)))
   nf, dt = len(lay.full_layers), tfm.dtype_of(cfg)
   heads, kd, vd = cfg.kv_dims()  # MLA: k holds the latent, v the RoPE key (other widths)
   if getattr(spec, "kv", "slots") == "paged":
@@ -192,9 +208,11 @@ def state_bytes_per_worker(cfg, slots_per_worker: int, max_seq_len: int, max_new
 PREFILL_COLS = ("length", "slot", "limit", "stop_eos", "phash", "sample", "seed", "epoch",
                 "generated", "temperature")
 # Decode rows: DECODE_COLS, then (chunked prefill: spec.prefill_queue > 0) the worker's queue of
-# input tokens, prefill_queue entries of QUEUE_COLS, then (paged KV) the page tables of the
-# worker's B rows. `chunk`: the input tokens a step takes from the queue (at most
-# spec.prefill_rows), `queued`: the queue's entries; `seed`, `epoch`: the sequence keys' inputs.
+# input tokens, prefill_queue entries of QUEUE_COLS, then (speculative decoding: spec.draft_tokens
+# D > 0) each of the worker's B slots' draft, B x (1 + D) columns: its length, then its tokens,
+# then (paged KV) the page tables of the worker's B rows. `chunk`: the input tokens a step takes
+# from the queue (at most spec.prefill_rows), `queued`: the queue's entries; `seed`, `epoch`:
+# the sequence keys' inputs.
 DECODE_COLS = ("max_steps", "stop_on_refill", "stop_on_idle", "temperature", "chunk", "queued",
                "seed", "epoch")
 # A queue entry: one input token of a sequence being prefilled into decode slot `slot` at
@@ -244,10 +262,11 @@ def prefill_host(width: int, n: int, seed: int, epoch: int, rows: Sequence[tuple
 
 def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None,
                 temperature: float = 1.0, queue=None, queued=None, chunk: int = 0,
-                seed: int = 0, epoch: int = 0) -> np.ndarray:
+                seed: int = 0, epoch: int = 0, drafts=None) -> np.ndarray:
   """Host inputs of one decode dispatch: the masks are per worker position; `queue` (chunked
   prefill) [n, prefill_queue, len(QUEUE_COLS)] each worker's input tokens in the order its steps
-  take them, `queued` [n] how many are real, `chunk` how many a step takes; `tables` (paged KV)
+  take them, `queued` [n] how many are real, `chunk` how many a step takes; `drafts`
+  (speculative decoding) [n, B, 1 + D] each slot's draft length and tokens; `tables` (paged KV)
   [n, B, pages_per_seq] the page tables of every worker's rows."""
   n = len(stop_on_refill)
   cols = {"max_steps": np.full(n, max_steps), "stop_on_refill": stop_on_refill,
@@ -258,6 +277,9 @@ def decode_host(max_steps: int, stop_on_refill, stop_on_idle, tables=None,
   if queue is not None:
     q = np.asarray(queue, np.int32)
     host = np.concatenate([host, q.reshape(q.shape[0], -1)], 1)
+  if drafts is not None:
+    d = np.asarray(drafts, np.int32)
+    host = np.concatenate([host, d.reshape(d.shape[0], -1)], 1)
   if tables is not None:
     t = np.asarray(tables, np.int32)
     host = np.concatenate([host, t.reshape(t.shape[0], -1)], 1)
@@ -271,14 +293,15 @@ def with_expert_table(host: np.ndarray, e2s: np.ndarray) -> np.ndarray:
 
 
 def host_width(kind: str, width: int, num_experts: int, table_cols: int = 0,
-               queue_len: int = 0) -> int:
+               queue_len: int = 0, draft_cols: int = 0) -> int:
   """Columns of a step's host array ('prefill' | 'decode'), the expert table included;
   `table_cols`: the page-table columns (paged KV; prefill: pages_per_seq, decode: B x that);
-  `queue_len`: a decode row's queue entries (chunked prefill)."""
+  `queue_len`: a decode row's queue entries (chunked prefill); `draft_cols`: its drafts' columns
+  (speculative decoding: B x (1 + D))."""
   if kind == "prefill":
     cols = width + len(PREFILL_COLS)
   else:
-    cols = len(DECODE_COLS) + queue_len * len(QUEUE_COLS)
+    cols = len(DECODE_COLS) + queue_len * len(QUEUE_COLS) + draft_cols
   return cols + table_cols + num_experts
 
 
@@ -293,16 +316,21 @@ def read_prefill(host_PC: jax.Array, width: int, num_experts: int, pages_per_seq
 
 
 def read_decode(host_PC: jax.Array, num_experts: int, rows: int = 0, pages_per_seq: int = 0,
-                queue_len: int = 0):
+                queue_len: int = 0, draft_tokens: int = 0):
   """Inside a step: ({DECODE_COLS name: this worker's value}, expert table [E], page tables
-  [rows, pages_per_seq] or None, input queue {QUEUE_COLS name: [queue_len]} or None)."""
+  [rows, pages_per_seq] or None, input queue {QUEUE_COLS name: [queue_len]} or None, drafts
+  [rows, 1 + draft_tokens] (length, tokens) or None)."""
   n = len(DECODE_COLS)
-  queue = None
+  queue = drafts = None
   if queue_len:
     q = host_PC[0, n:n + queue_len * len(QUEUE_COLS)].reshape(queue_len, len(QUEUE_COLS))
     queue = {name: q[:, i] for i, name in enumerate(QUEUE_COLS)}
     n += queue_len * len(QUEUE_COLS)
+  if draft_tokens:
+    w = rows * (1 + draft_tokens)
+    drafts = host_PC[0, n:n + w].reshape(rows, 1 + draft_tokens)
+    n += w
   table = (host_PC[0, n:n + rows * pages_per_seq].reshape(rows, pages_per_seq)
            if pages_per_seq else None)
   return ({name: host_PC[0, i] for i, name in enumerate(DECODE_COLS)},
-          host_PC[0, -num_experts:], table, queue)
+          host_PC[0, -num_experts:], table, queue, drafts)

@@ -86,8 +86,11 @@ class StepSet:
   def _args_abstract(self, kind: str, width: int = 0):
     spec = self.spec
     m = spec.pages_per_seq * (1 if kind == "prefill" else spec.slots_per_worker)
+    decode = kind == "decode"
     cols = state_lib.host_width(kind, width or spec.max_prompt_len, spec.cfg.num_experts, m,
-                                spec.prefill_queue if kind == "decode" else 0)
+                                spec.prefill_queue if decode else 0,
+                                spec.slots_per_worker * (1 + spec.draft_tokens)
+                                if decode and spec.draft_tokens else 0)
     host = jax.ShapeDtypeStruct((self.mesh.size, cols), jnp.int32, sharding=self.host_sharding)
     return (self.abstract_rest, self.abstract_experts, self.abstract_state, host)
 
@@ -172,8 +175,11 @@ class StepSet:
                      sample=0)
       host = state_lib.prefill_host(lp, n, 0, 0, [(p, 0, seq, 0, row) for p in range(n)], m)
       st, _ = self._compiled["prefill"](rest, experts, st, self.put_host(host, e2s))
+    # speculative decoding: no draft (the step's code is the same whatever the drafts hold)
+    drafts = (np.zeros((n, b, 1 + spec.draft_tokens), np.int32) if spec.draft_tokens else None)
     host = state_lib.decode_host(1, np.zeros(n, bool), np.zeros(n, bool), tables, queue=queue,
-                                 queued=queued, chunk=spec.prefill_rows)  # one step
+                                 queued=queued, chunk=spec.prefill_rows,
+                                 drafts=drafts)  # one step
     jax.block_until_ready(self._compiled["decode"](rest, experts, st, self.put_host(host, e2s)))
     idx = jax.device_put(np.zeros((n,), np.int32), self.worker_sharding)
     full = {"experts": self.abstract_experts, "rows": self.abstract_state.row_dict()}

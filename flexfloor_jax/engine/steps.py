@@ -70,7 +70,8 @@ def prefill_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host
   sc = sc.replace(tokens=upd(sc.tokens, tok), positions=upd(sc.positions, lengths),
                   live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, gen_P + 1),
                   limit=upd(sc.limit, limit_P), stop_eos=upd(sc.stop_eos, eos_P),
-                  key=upd(sc.key, keys))
+                  key=upd(sc.key, keys), done_step=upd(sc.done_step, jnp.where(done, 0, -1)),
+                  drafted=upd(sc.drafted, 0 * gen_P), accepted=upd(sc.accepted, 0 * gen_P))
   routes = st.routes
   if routes is not None:  # the prompt's experts: aux [L, P*T, K] -> rows [P, T, L, K]
     p, t = tokens_PT.shape
@@ -91,11 +92,15 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
   ones invalid), each a one-token query over its sequence's cache, exactly as a decode row: a
   sequence's last input token samples its next token and makes its slot live. A worker with
   queued input is not idle, and the loop runs while anything is live or queued.
+  Speculative decoding (spec.draft_tokens): each live slot brings a draft; every step hands the
+  worker's free decode rows to the drafts still alive (`_draft_rows`) and keeps, per slot, the
+  tokens plain decoding makes up to the first drafted token it would not have made
+  (`_draft_take`; policy.controller's contract).
   Returns (state, steps run, expert counts [E])."""
   cfg = spec.cfg
   b = st.out_tokens.shape[0]
-  h, e2s, table_BM, queue = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq,
-                                        spec.prefill_queue)
+  h, e2s, table_BM, queue, drafts = read_decode(host_PC, cfg.num_experts, b, spec.pages_per_seq,
+                                                spec.prefill_queue, spec.draft_tokens)
   max_steps, stop_on_refill, stop_on_idle = (h["max_steps"], h["stop_on_refill"] != 0,
                                              h["stop_on_idle"] != 0)
   temp = temperature_of(h["temperature"])
@@ -135,10 +140,20 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
             jnp.concatenate([sc.key, ent["key"]]), jnp.concatenate([sc.n_gen, ent["generated"]]),
             ent)
 
+  sc0 = st.slot_scalars()
+  n_gen0 = sc0.n_gen  # the dispatch's start: a slot's tokens made since are its draft's place
+
   def step(carry):
-    st, sc, i, _, counts = carry
+    st, sc, i, _, counts, alive = carry
     live = sc.live
-    tok_R, pos_R, valid_R, rows_R, key_R, gen_R, ent = inputs(i, sc)
+    plan = None
+    if drafts is not None:
+      plan = _draft_rows(sc, alive, drafts, sc.n_gen - n_gen0)
+      tok_R, pos_R, valid_R, rows_R, key_R, gen_R = (plan[k] for k in (
+          "tokens", "positions", "valid", "rows", "keys", "generated"))
+      ent = None
+    else:
+      tok_R, pos_R, valid_R, rows_R, key_R, gen_R, ent = inputs(i, sc)
     extra = {} if rows_R is None else {"rows_B": rows_R}
     if spec.paged:
       # the host rows carry page tables, and the spec an attention function, when spec.paged
@@ -151,20 +166,33 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
                                       moe_fn=moe_fn, **extra)
     kv = cache_fields(cache)
     tok_all, lp_all = sample(logits, key_R, gen_R, spec.sampling, temp)
-    tok, lp = tok_all[:b], lp_all[:b]
-    col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
     routes = st.routes
+    any_finished, queued_left = jnp.bool_(False), jnp.bool_(False)
+    if plan is not None:
+      assert drafts is not None  # plan is made from the drafts
+      made, fed_R, alive, sc = _draft_take(cfg, plan, drafts, sc, alive, tok_all, lp_all,
+                                           sc.n_gen - n_gen0, i, max_new)
+      out_tokens = st.out_tokens.at[rows[:, None], made["cols"]].set(made["tokens"], mode="drop")
+      out_logprobs = st.out_logprobs.at[rows[:, None], made["cols"]].set(made["logprobs"],
+                                                                        mode="drop")
+      any_finished = jnp.any(made["finished"])
+      route_rows = jnp.where(fed_R, plan["rows"], b)
+    else:
+      tok, lp = tok_all[:b], lp_all[:b]
+      col = jnp.where(live, sc.n_gen, max_new)  # out of range for dead slots: dropped
+      out_tokens = st.out_tokens.at[rows, col].set(tok, mode="drop")
+      out_logprobs = st.out_logprobs.at[rows, col].set(lp, mode="drop")
+      n_gen = sc.n_gen + live.astype(jnp.int32)
+      finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & _is_stop(tok, cfg.stop_ids)))
+      sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
+                      positions=sc.positions + live.astype(jnp.int32), live=live & ~finished,
+                      done_step=jnp.where(finished, i, sc.done_step))
+      any_finished = jnp.any(finished)
+      route_rows = rows if rows_R is None else jnp.where(valid_R, rows_R, b)
     if routes is not None:  # the fed tokens' experts at their positions: aux [L, R, K] -> [R, L, K]
       pos = jnp.where(valid_R, pos_R, spec.max_seq_len)
-      where = rows if rows_R is None else jnp.where(valid_R, rows_R, b)
-      routes = routes.at[where, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)), mode="drop")
-    out_tokens = st.out_tokens.at[rows, col].set(tok, mode="drop")
-    out_logprobs = st.out_logprobs.at[rows, col].set(lp, mode="drop")
-    n_gen = sc.n_gen + live.astype(jnp.int32)
-    finished = live & ((n_gen >= sc.limit) | (sc.stop_eos & _is_stop(tok, cfg.stop_ids)))
-    sc = sc.replace(n_gen=n_gen, tokens=jnp.where(live, tok, sc.tokens),
-                    positions=sc.positions + live.astype(jnp.int32), live=live & ~finished)
-    any_finished, queued_left = jnp.any(finished), jnp.bool_(False)
+      routes = routes.at[route_rows, pos].set(jnp.transpose(aux["experts"], (1, 0, 2)),
+                                              mode="drop")
     if ent is not None:
       # a sequence's last input token: its next token (number `generated`) and its slot goes
       # live, or finishes at once; the slot was free (not live), so no decode row touched it
@@ -182,7 +210,8 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
                       live=upd(sc.live, ~done), n_gen=upd(sc.n_gen, gen_c + 1),
                       limit=upd(sc.limit, ent["limit"]),
                       stop_eos=upd(sc.stop_eos, ent["stop_eos"] != 0),
-                      key=upd(sc.key, ent["key"]))
+                      key=upd(sc.key, ent["key"]),
+                      done_step=upd(sc.done_step, jnp.where(done, i, -1)))
       out_tokens = out_tokens.at[idx, gen_c].set(tok_c, mode="drop")
       out_logprobs = out_logprobs.at[idx, gen_c].set(lp_c, mode="drop")
       any_finished = any_finished | jnp.any(last & done)
@@ -193,15 +222,89 @@ def decode_local(spec: EngineSpec, n: int, rest, experts, st: DecodeState, host_
     stop = jax.lax.psum(wake.astype(jnp.int32), axis) > 0
     any_busy = jax.lax.psum(busy.astype(jnp.int32), axis) > 0
     counts = counts + aux["expert_counts"].sum(0)
-    return st, sc, i + 1, stop | ~any_busy, counts
+    return st, sc, i + 1, stop | ~any_busy, counts, alive
 
   def cond(carry):
     return (carry[2] < max_steps) & ~carry[3]
 
-  sc = st.slot_scalars()
+  zero = jnp.zeros_like(sc0.n_gen)
+  sc = sc0.replace(done_step=zero - 1, drafted=zero, accepted=zero)
   busy0 = jnp.any(sc.live) | (h["queued"] > 0 if queue is not None else False)
   any_busy = jax.lax.psum(busy0.astype(jnp.int32), axis) > 0
   counts0 = jnp.zeros((cfg.num_experts,), jnp.int32)
-  st, sc, steps, _, counts = jax.lax.while_loop(
-      cond, step, (st.replace(scalars=None), sc, jnp.int32(0), ~any_busy, counts0))
+  alive0 = jnp.ones((b,), bool)
+  st, sc, steps, _, counts, _ = jax.lax.while_loop(
+      cond, step, (st.replace(scalars=None), sc, jnp.int32(0), ~any_busy, counts0, alive0))
   return st.replace(scalars=sc.pack()), steps, counts
+
+
+def _draft_rows(sc, alive, drafts_BD, made_B) -> dict:
+  """A speculative step's query rows (the controller's contract): each live slot s whose draft
+  is alive wants w_s = min(draft tokens it has not made yet, limit - generated - 1) rows; the
+  free (not live) decode rows go to them in slot order, v_s each; free row r carrying s's
+  drafted token j (1..v_s) runs that token at s's position + j over s's cache (rows_B = s),
+  with the key and token number plain decoding uses there. drafts_BD [B, 1 + D]: each slot's
+  draft length, then its tokens; made_B: tokens each slot made in this dispatch (its place in
+  its draft). Returns the rows' inputs and the plan's v, start (first free-row rank of each
+  slot's rows), the free rows in order and each row's draft offset j (0: none)."""
+  b = sc.live.shape[0]
+  d_n = drafts_BD.shape[1] - 1
+  rows = jnp.arange(b)
+  live = sc.live
+  dlen, dtok = drafts_BD[:, 0], drafts_BD[:, 1:]
+  room = sc.limit - sc.n_gen - 1
+  want = jnp.where(live & alive, jnp.clip(jnp.minimum(dlen - made_B, room), 0, d_n), 0)
+  free = ~live
+  n_free = jnp.sum(free.astype(jnp.int32))
+  before = jnp.cumsum(want) - want  # rows the lower live slots want
+  v = jnp.clip(n_free - before, 0, want)
+  end = jnp.cumsum(v)
+  start = end - v
+  rank = jnp.cumsum(free.astype(jnp.int32)) - 1  # a free row's place among the free rows
+  assigned = free & (rank < end[-1])
+  owner = jnp.where(assigned, jnp.clip(jnp.searchsorted(end, rank, side="right"), 0, b - 1),
+                    rows)
+  j = jnp.where(assigned, rank - start[owner] + 1, 0)
+  drafted_tok = dtok[owner, jnp.clip(made_B[owner] + j - 1, 0, max(d_n - 1, 0))]
+  return dict(tokens=jnp.where(assigned, drafted_tok, sc.tokens),
+              positions=sc.positions[owner] + j, valid=live | assigned, rows=owner,
+              keys=sc.key[owner], generated=sc.n_gen[owner] + j, v=v, start=start, j=j,
+              free_rows=jnp.nonzero(free, size=b, fill_value=0)[0], assigned=assigned)
+
+
+def _draft_take(cfg, plan: dict, drafts_BD, sc, alive, tok_R, lp_R, made_B, i, max_new: int):
+  """After a speculative step: per live slot, the tokens x_0..x_v sampled after its own token
+  and its v drafted ones; it keeps x_0..x_a (a: the leading drafted tokens equal to the token
+  sampled before them), cut after the first that finishes it (limit or EOS); its draft stays
+  alive while every token it kept equals the draft's token at that place. Returns ({'cols',
+  'tokens', 'logprobs': [B, 1 + D] what to write where (cols out of range: nothing),
+  'finished': [B]}, which query rows fed a kept token (their routes count), alive, scalars)."""
+  b = sc.live.shape[0]
+  d_n = drafts_BD.shape[1] - 1
+  rows, live = jnp.arange(b), sc.live
+  dlen, dtok = drafts_BD[:, 0], drafts_BD[:, 1:]
+  v, start, free_rows = plan["v"], plan["start"], plan["free_rows"]
+  t = jnp.arange(d_n + 1)
+  src = free_rows[jnp.clip(start[:, None] + t[None, 1:] - 1, 0, b - 1)]  # [B, D]: x_j's row
+  x = jnp.concatenate([tok_R[:b, None], tok_R[src]], 1)  # [B, 1 + D]
+  lp = jnp.concatenate([lp_R[:b, None], lp_R[src]], 1)
+  di = made_B[:, None] + t[None]  # the draft's place of x_t
+  in_draft = di < dlen[:, None]
+  same = in_draft & (x == dtok[rows[:, None], jnp.clip(di, 0, max(d_n - 1, 0))])
+  a = jnp.cumprod((same & (t[None] < v[:, None])).astype(jnp.int32), axis=1).sum(1)
+  kept = t[None] <= a[:, None]
+  ends = ((sc.n_gen[:, None] + t[None] + 1 >= sc.limit[:, None])
+          | (sc.stop_eos[:, None] & _is_stop(x, cfg.stop_ids))) & kept
+  finished = live & jnp.any(ends, axis=1)
+  c = jnp.where(live, jnp.where(finished, jnp.argmax(ends, axis=1) + 1, a + 1), 0)
+  made = t[None] < c[:, None]
+  alive = alive & ~jnp.any(made & in_draft & ~same, axis=1)
+  last = x[rows, jnp.maximum(c - 1, 0)]
+  sc = sc.replace(n_gen=sc.n_gen + c, positions=sc.positions + c,
+                  tokens=jnp.where(live, last, sc.tokens), live=live & ~finished,
+                  done_step=jnp.where(finished, i, sc.done_step), drafted=sc.drafted + v,
+                  accepted=sc.accepted + jnp.maximum(c - 1, 0))
+  cols = jnp.where(made, sc.n_gen[:, None] - c[:, None] + t[None], max_new)
+  owner, j = plan["rows"], plan["j"]
+  fed = live | (plan["assigned"] & (j <= c[owner] - 1))
+  return dict(cols=cols, tokens=x, logprobs=lp, finished=finished), fed, alive, sc

@@ -3,6 +3,7 @@ checkpoint's tokenizer.json (`tokenizers` library, local file only, never the hu
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from typing import Protocol
@@ -61,6 +62,8 @@ class HFTokenizer:
     except Exception as e:  # the tokenizers library raises its own untyped errors
       msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise CheckpointError(f"{file}: cannot read the tokenizer ({msg})") from None
+    with open(file, "rb") as f:  # what its token ids mean: the file's content, not its path
+      self.digest = hashlib.sha256(f.read()).hexdigest()[:16]
     self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
     self.bos_id = bos_id if bos_id is not None and bos_id >= 0 else None
     self.eos_id = eos_id if eos_id is not None and eos_id >= 0 else None
@@ -85,3 +88,14 @@ def load_tokenizer(checkpoint_dir: str, cfg) -> Tokenizer | None:
   if cfg.vocab_size == BYTE_VOCAB:
     return ByteTokenizer()
   return None
+
+
+def tokenizer_identity(tokenizer: Tokenizer | None, cfg) -> str:
+  """What a token id means, as a key for files of token ids kept across runs (the response
+  store): the byte vocabulary, a tokenizer.json's content, or, where prompts come as ids, the
+  vocabulary size alone."""
+  if isinstance(tokenizer, ByteTokenizer):
+    return "byte"
+  if isinstance(tokenizer, HFTokenizer):
+    return f"hf:{tokenizer.digest}"
+  return f"ids:{cfg.vocab_size}"

@@ -20,9 +20,10 @@ from flexfloor_jax.io import output_dir
 from flexfloor_jax.io.jsonl import iter_jsonl
 from flexfloor_jax.model import checkpoint as ckpt
 from flexfloor_jax.model.config import PRESETS, model_identity
-from flexfloor_jax.model.tokenizer import load_tokenizer
+from flexfloor_jax.model.tokenizer import load_tokenizer, tokenizer_identity
 from flexfloor_jax.policy import workload
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.drafts import ResponseStore, StoreError
 from flexfloor_jax.policy.floor import parse_release_sizes
 from flexfloor_jax.policy.history import HistoryError, LengthHistory
 from flexfloor_jax.policy.pages import pages_for
@@ -104,6 +105,23 @@ def load_prompts(config, tokenizer, eos_or_bos: int | None) -> list[Prompt]:
 
 def history_file(config) -> str:
   return config.scheduler.history_path or os.path.join(config.rollout.output_dir, "history.json")
+
+
+def store_file(config) -> str:
+  """Speculative decoding's response store: rollout.draft_store, or response_store.npz beside
+  the length history."""
+  return config.rollout.draft_store or os.path.join(
+      os.path.dirname(os.path.abspath(history_file(config))), "response_store.npz")
+
+
+def load_store(config, tokenizer, model_cfg) -> ResponseStore:
+  """The response store the drafts come from (an empty one where the file does not exist yet),
+  checked before anything compiles: a file that does not parse, or was written for another
+  tokenizer, is one RolloutError naming it."""
+  try:
+    return ResponseStore.load(store_file(config), tokenizer_identity(tokenizer, model_cfg))
+  except StoreError as e:
+    raise RolloutError(f"rollout.draft_store: {e}") from None
 
 
 def load_history(config, model_cfg) -> LengthHistory:
@@ -357,7 +375,8 @@ def terms_for_config(config, model_cfg, max_seq_len: int | None = None) -> memor
   sequence's pages + its rings + its state."""
   r = config.rollout
   seq = max_seq_len or config.model.max_seq_len
-  chunk = max(1, getattr(r, "prefill_rows", 0))  # chunked prefill: rings hold a chunk more
+  # chunked prefill, drafting: rings hold a sequence's query rows of a step beyond the window
+  chunk = engine_lib.ring_chunk(getattr(r, "prefill_rows", 0), getattr(r, "draft_tokens", 0))
   t = memory.floor_terms(model_cfg, r.slots_per_worker, seq, r.max_new_tokens, r.record_routes,
                          chunk)
   if getattr(r, "kv", "slots") != "paged":

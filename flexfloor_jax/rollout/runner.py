@@ -26,9 +26,15 @@ from flexfloor_jax.io import output_dir
 from flexfloor_jax.model import checkpoint as ckpt
 from flexfloor_jax.model import transformer as tfm
 from flexfloor_jax.model.config import resolve_moe_backend
-from flexfloor_jax.policy import compile_plan, controller, costs, plan, prediction
-from flexfloor_jax.policy.accounting import decode_step_medians, jsonable, release_latency_ratios
+from flexfloor_jax.policy import compile_plan, controller, costs, plan, prediction, speculation
+from flexfloor_jax.policy.accounting import (
+  decode_step_medians,
+  draft_summary,
+  jsonable,
+  release_latency_ratios,
+)
 from flexfloor_jax.policy.controller import Seq
+from flexfloor_jax.policy.drafts import Drafter, ResponseStore, StoreError
 from flexfloor_jax.policy.expert_placement import ExpertPlacement
 from flexfloor_jax.policy.floor import FloorError, preallocated_slots, release_sizes
 from flexfloor_jax.policy.history import LengthHistory
@@ -94,6 +100,7 @@ class Prepared:
   flex: bool  # schedule 'flexfloor': the group shrinks as workers finish
   release_sizes: list[int]  # the smaller meshes a release may leave, largest first
   kv_pool: Any = None  # rollout.kv='paged': the host's page pool (policy.pages.PagePool)
+  store: Any = None  # rollout.draft_tokens > 0: the drafts' ResponseStore
 
   @property
   def num_workers(self) -> int:
@@ -112,9 +119,12 @@ class Built:
 def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
         write_outputs: bool = True, history: LengthHistory | None = None,
         step_cache=None, progress: bool = True, on_release=None,
-        prompts: list[Prompt] | None = None) -> RolloutResult:
+        prompts: list[Prompt] | None = None,
+        response_store: ResponseStore | None = None) -> RolloutResult:
   """Run one rollout as the config says. `params`/`model_cfg`/`tokenizer` skip loading (RL loop);
-  `prompts` (in memory, the library API) replace rollout.prompts.
+  `prompts` (in memory, the library API) replace rollout.prompts. `response_store`
+  (rollout.draft_tokens > 0): the drafts' store in memory, as `history` (this run's responses
+  join it), instead of rollout.draft_store's file.
   `step_cache`: an engine.StepCache (the caller's; kept open) or an engine.StepCachePool (the
   cache of this run's spec is taken from it, and kept there for the next run).
   `on_release(devices, finished)`: called right after each release with the released devices and
@@ -132,7 +142,7 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
   lock = lock_output_dir(config) if write_outputs and jax.process_index() == 0 else None
   try:
     prep = prepare(config, devices=devices, model_cfg=model_cfg, tokenizer=tokenizer,
-                   history=history, prompts=prompts)
+                   history=history, prompts=prompts, response_store=response_store)
     # One line per stage: what a long wait is spent on, and where a Ctrl-C landed.
     log.info("building the engine: weights and compiles")
     built = build_engine(config, prep, params=params, step_cache=step_cache)
@@ -140,7 +150,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
       policy, waited, wait_s = wait_for_compiles(config, prep, built)
       setup_s = time.perf_counter() - t_setup
       log.info("generating %d responses on %d workers", len(prep.seqs), prep.num_workers)
-      record = execute(prep, built.engine, policy, progress=progress, on_release=on_release)
+      record = execute(prep, built.engine, policy, progress=progress, on_release=on_release,
+                       drafting=drafting_policy(config, prep))
     finally:
       if built.close_steps:
         built.engine.steps.close()
@@ -154,6 +165,11 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
                         f"epoch {config.rollout.epoch}", prep.history, prep.history_path)
       except output_dir.OutputWriteError as e:
         raise OutputError(str(e), result, e.staging) from None
+      if prep.store is not None and response_store is None:
+        try:  # merged with the file under its lock, as the length history
+          prep.store.save(inputs.store_file(config))
+        except (OSError, StoreError) as e:
+          raise OutputError(f"rollout.draft_store: {e}", result, None) from None
     return result
   finally:
     if lock is not None:
@@ -162,7 +178,8 @@ def run(config, *, devices=None, params=None, model_cfg=None, tokenizer=None,
 
 def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenizer=None,
             history: LengthHistory | None = None,
-            prompts: list[Prompt] | None = None) -> Prepared:
+            prompts: list[Prompt] | None = None,
+            response_store: ResponseStore | None = None) -> Prepared:
   """The host's part: model shape (the checkpoint's inventory, no tensor read), prompts (read
   from rollout.prompts unless given) and their checks, sequences, length history, floor, release
   sizes, placement and schedule."""
@@ -182,6 +199,9 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
   seqs = build_seqs(config, prompts, mode)
   if history is None:
     history = load_history(config, model_cfg)
+  store = None
+  if r.draft_tokens:
+    store = response_store or inputs.load_store(config, tokenizer, model_cfg)
 
   if devices is None:
     try:
@@ -227,7 +247,8 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
                   flex=flex,
                   kv_pool=kv_pool.make_pool(r, n, seq_len, pred_by_seq) if paged else None,
                   release_sizes=sorted((m for m in (allowed or range(floor, n)) if m < n),
-                                       reverse=True) if flex else [])
+                                       reverse=True) if flex else [],
+                  store=store)
 
 
 def engine_spec(config: settings.Settings, prep: Prepared):
@@ -244,7 +265,8 @@ def engine_spec(config: settings.Settings, prep: Prepared):
       moe_backend=moe_impl, interpret=moe_interpret, record_routes=r.record_routes, kv=r.kv,
       page_size=r.page_size, attention_backend=config.model.attention_backend,
       num_pages=prep.kv_pool.num_pages if prep.kv_pool is not None else 0,
-      prefill_rows=r.prefill_rows, prefill_queue=r.prefill_rows * r.steps_per_dispatch)
+      prefill_rows=r.prefill_rows, prefill_queue=r.prefill_rows * r.steps_per_dispatch,
+      draft_tokens=r.draft_tokens)
 
 
 def load_params(config: settings.Settings, model_cfg) -> tfm.Params:
@@ -327,8 +349,24 @@ def wait_for_compiles(config: settings.Settings, prep: Prepared, built: Built):
   return policy, waited, time.perf_counter() - t_wait
 
 
-def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=None):
-  """The control loop over the engine; returns the controller's record."""
+def drafting_policy(config: settings.Settings, prep: Prepared):
+  """Speculative decoding's policy (rollout.draft_tokens > 0, else None): drafts from the
+  response store and the sibling samples, made where they pay in the seconds of the named cost
+  model (scheduler.cost_model, or the roofline pair the run decides in), the same on every
+  platform so that the engine and its replay draft alike; with scheduler.step_cost='steps' (a
+  count in which a step's rows are free) every draft goes out."""
+  r = config.rollout
+  if not r.draft_tokens:
+    return None
+  name = prep.step_cost if prep.step_cost.startswith("roofline:") else config.scheduler.cost_model
+  cost = None if prep.step_cost == "steps" else named_step_cost(name, prep.seqs)
+  return speculation.DraftPolicy(Drafter(prep.store), r.draft_tokens, cost=cost)
+
+
+def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=None,
+            drafting=None):
+  """The control loop over the engine; returns the controller's record. `drafting`:
+  speculative decoding's policy (drafting_policy), None = plain decoding."""
 
   bar = tqdm(total=len(prep.seqs), desc="responses", unit="seq", leave=False,
              disable=not (progress and jax.process_index() == 0))
@@ -343,7 +381,8 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
       eng.attach_pages(prep.kv_pool)
     record = controller.run(prep.seqs, prep.queues, _ProgressExecutor(eng, bar, released), policy,
                             steps_per_dispatch=prep.steps_per_dispatch, kv=prep.kv_pool,
-                            prefill_chunk=eng.prefill_chunk if eng.spec.chunked else 0)
+                            prefill_chunk=eng.prefill_chunk if eng.spec.chunked else 0,
+                            drafting=drafting)
     if isinstance(policy, ReadyFloor):
       policy.finish(record.timeline)
   finally:
@@ -352,12 +391,14 @@ def execute(prep: Prepared, eng, policy, *, progress: bool = True, on_release=No
 
 
 def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record,
-                          device_steps: int) -> dict:
+                          device_steps: int, responses: dict | None = None) -> dict:
   """This rollout in the seconds of a named roofline pair (the one it decided in, else
   scheduler.cost_model): the same policy replayed on the lengths it produced (sim.replay),
   releases and migrations charged. On emulated CPU devices the host's seconds say nothing about
   an accelerator's; these do. `replay_matches_run`: the replay made the run's `device_steps` (not
-  when releases waited for background compiles, which the replay does not model)."""
+  when releases waited for background compiles, which the replay does not model).
+  Speculative decoding: `responses` (seq id -> its tokens) and a drafting policy like the run's
+  replay its drafts, each confirmed by the response as the engine's sampling confirmed it."""
   r = config.rollout
   decided = prep.step_cost.startswith("roofline:")
   name = prep.step_cost if decided else config.scheduler.cost_model
@@ -371,7 +412,9 @@ def seconds_on_cost_model(config: settings.Settings, prep: Prepared, record,
                 step_cost=prep.step_cost,
                 policy_cost=named_step_cost(name, prep.seqs) if decided else None,
                 kv=kv_pool.pool_factory(r, prep.num_workers, prep.seq_len)
-                if prep.kv_pool is not None else None, prefill_chunk=r.prefill_chunk)
+                if prep.kv_pool is not None else None, prefill_chunk=r.prefill_chunk,
+                responses=responses if r.draft_tokens else None,
+                drafting=drafting_policy(config, prep))
   return dict(cost_model=name, **seconds_figures(m),
               replay_matches_run=m["device_steps"] == device_steps)
 
@@ -404,6 +447,7 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            step_seconds_measured={str(k): v for k, v in median_by_size.items()},
            max_seq_len=prep.seq_len,
            prefill_chunk=eng.prefill_chunk if eng.spec.chunked else 0,
+           draft_tokens=eng.spec.draft_tokens,
            compile_plan=dict(cplan.to_json(), waited_for=compiles["waited_for"],
                              wait_s=compiles["wait_s"],
                              compile_threads=eng.steps.compile_threads,
@@ -413,7 +457,11 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
            if cplan else None,
            **held_summary(policy))
   warn_held(m)
-  m["seconds"] = seconds_on_cost_model(config, prep, record, m["device_steps"])
+  if eng.spec.draft_tokens:
+    m.update(draft_summary(record.timeline))
+  m["seconds"] = seconds_on_cost_model(
+      config, prep, record, m["device_steps"],
+      {s.seq_id: eng.outputs[s.seq_id].tokens for s in seqs} if r.draft_tokens else None)
   if prep.kv_pool is not None:
     prep.kv_pool.check()  # every page back in the pool
     m.update(kv_pool.summary(prep.kv_pool, sum(
@@ -433,6 +481,9 @@ def summarize(config: settings.Settings, prep: Prepared, built: Built, policy, r
   prep.history.add_rollout(r.epoch, seqs,
                            {s.seq_id: len(eng.outputs[s.seq_id].tokens) for s in seqs})
   prep.history.add_step_seconds(median_by_size)
+  if prep.store is not None:  # after the replay above: it drafts from the store as the run did
+    prep.store.add_rollout(r.epoch, [(s.prompt_id, s.sample, eng.outputs[s.seq_id].tokens)
+                                     for s in seqs])
   return RolloutResult(summary=m, responses=responses, timeline=record.timeline, record=record)
 
 
@@ -453,8 +504,8 @@ class _ProgressExecutor:
     self._bar.update(len(out))
     return out
 
-  def decode(self, max_steps, stop_on_refill, stop_on_idle):
-    k, out = self._eng.decode(max_steps, stop_on_refill, stop_on_idle)
+  def decode(self, max_steps, stop_on_refill, stop_on_idle, drafts=None):
+    k, out = self._eng.decode(max_steps, stop_on_refill, stop_on_idle, drafts=drafts)
     self._bar.update(len(out))
     return k, out
 

@@ -180,6 +180,8 @@ BAD = [
     ("rollout", "mixtral", "rollout.kv_margin", -0.5),
     ("rollout", "mixtral", "rollout.prefill_chunk", -16),
     ("rollout", "mixtral", "rollout.max_prefill_chunk", 1.5),
+    ("rollout", "mixtral", "rollout.draft_tokens", 65),
+    ("rollout", "mixtral", "rollout.draft_store", 3),
     ("rollout", "mixtral", "workload.sigma", -1.0),
     ("rollout", "mixtral", "workload.median", 0.0),
     ("rollout", "mixtral", "workload.epoch_noise", INF),
@@ -291,6 +293,10 @@ def test_every_field_has_a_bad_case():
      ["rollout.prefill_chunk=64", "rollout.max_prefill_chunk=32"]),
     ("rollout", "mixtral", {"rollout.max_prefill_chunk": 32},
      ["rollout.max_prefill_chunk=32", "rollout.prefill_chunk"]),
+    ("rollout", "mixtral", {"rollout.draft_tokens": 4, "rollout.prefill_chunk": 16},
+     ["rollout.draft_tokens=4", "rollout.prefill_chunk=16"]),
+    ("rollout", "mixtral", {"rollout.draft_tokens": 32, "rollout.max_new_tokens": 32},
+     ["rollout.draft_tokens=32", "rollout.max_new_tokens=32"]),
 ])
 def test_fields_checked_together(entry, name, changes, expect):
   c = load_config(name, "tiny").to_dict()

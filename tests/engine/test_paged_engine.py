@@ -55,7 +55,7 @@ def test_host_layouts_carry_page_tables():
       state_lib.decode_host(4, np.ones(2, bool), np.zeros(2, bool), tables), np.arange(e))
   assert full.shape[1] == state_lib.host_width("decode", 8, e, b * m)
   for p in range(2):  # inside a step each worker sees its own row
-    h, _, t, _ = state_lib.read_decode(full[p:p + 1], e, b, m)
+    h, _, t, _, _ = state_lib.read_decode(full[p:p + 1], e, b, m)
     assert t.tolist() == tables[p].tolist() and int(h["max_steps"]) == 4
 
 

@@ -121,6 +121,21 @@ def nothing(tmp):
   return {}
 
 
+def store_of_another_tokenizer(tmp):
+  from flexfloor_jax.policy.drafts import ResponseStore
+  path = tmp / "store.npz"
+  store = ResponseStore("hf:0123456789abcdef")
+  store.add_rollout(0, [("builtin-0", 0, [1, 2, 3, 4])])
+  store.save(str(path))
+  return dict(store=str(path))
+
+
+def store_not_parsing(tmp):
+  path = tmp / "store.npz"
+  path.write_bytes(b"not a response store\n")
+  return dict(store=str(path))
+
+
 @dataclasses.dataclass
 class Case:
   name: str
@@ -190,6 +205,14 @@ CASES = [
     # --- a chunk of input tokens per step out of range (chunked prefill)
     case("prefill_chunk_below_a_page", ROLLOUT, "--config.rollout.prefill_chunk=8",
          ("rollout.prefill_chunk=8", "rollout.page_size=16")),
+    case("draft_tokens_out_of_range", ROLLOUT, "--config.rollout.draft_tokens=65",
+         ("rollout.draft_tokens", "65")),
+    case("draft_store_of_another_tokenizer", ROLLOUT,
+         ("--config.rollout.draft_tokens=4", "--config.rollout.draft_store={store}"),
+         ("rollout.draft_store", "{store}", "tokenizer"), store_of_another_tokenizer),
+    case("draft_store_not_parsing", ROLLOUT,
+         ("--config.rollout.draft_tokens=4", "--config.rollout.draft_store={store}"),
+         ("rollout.draft_store", "{store}"), store_not_parsing),
     case("prefill_chunk_above_its_bound", ROLLOUT,
          ("--config.rollout.prefill_chunk=64", "--config.rollout.max_prefill_chunk=32"),
          ("rollout.prefill_chunk=64", "rollout.max_prefill_chunk=32")),
