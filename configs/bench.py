@@ -2,7 +2,7 @@
 
 Every field of configs/mixtral.py's tiny preset (the same workload parameters, slots per worker
 and cache length: the bench measures the main job, it does not retune it), plus the bench's own:
-output_dir, epochs, repeats, release_only, cost_model, seeds. Override any
+output_dir, epochs, repeats, release_only, cost_model, seeds, draft_tokens. Override any
 field with --config.section.field=value.
 """
 
@@ -33,4 +33,7 @@ def get_config(preset: str = "tiny") -> ml_collections.ConfigDict:
   # Workload seeds (each sets sampling.seed, which draws the lengths): every epoch runs for each,
   # the headline ratios reported as the median with min and max. '' = sampling.seed alone.
   c.seeds = ""
+  # Speculative decoding: also static, balanced and flexfloor with rollout.draft_tokens = this,
+  # drafting from the earlier epochs' responses (configs/bench_drafts.py); 0 = not
+  c.draft_tokens = 0
   return c

@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 import os
 
-from flexfloor_jax.bench.document import PAPER_THROUGHPUT, PAPER_TOKENS_PER_DEVICE_TIME
+from flexfloor_jax.bench.document import (
+  DRAFT_SUFFIX,
+  DRAFTED_SCHEDULES,
+  DRAFTING_ADVANTAGE_TOLERANCE,
+  PAPER_THROUGHPUT,
+  PAPER_TOKENS_PER_DEVICE_TIME,
+)
 from flexfloor_jax.io import output_dir
 from flexfloor_jax.policy import accounting
 
@@ -24,7 +30,11 @@ TABLE = (("tokens_per_occupied_device_second", "tok/occ-dev-s", ".1f"),
 # paged KV (rollout.kv='paged'): the pool's columns, after the others
 KV_TABLE = (("kv_pool_bytes", "pool B/worker", "d"), ("kv_pages", "pages", "d"),
             ("kv_peak_pages", "peak pages", "d"), ("preemptions", "preempt", "d"))
-SCHEDULES = ("static", "balanced", "flexfloor", "release_only", "release_compaction")
+SCHEDULES = ("static", "balanced", "flexfloor", "release_only", "release_compaction") + tuple(
+    f"{n}{DRAFT_SUFFIX}" for n in DRAFTED_SCHEDULES)  # speculative decoding's, when it ran
+# the table's rows of speculative decoding's ratios (ep["ratios"] keys), when it ran
+DRAFT_TABLE_PAIRS = (("ff_draft/static_draft", "flexfloor_draft_static_draft"),
+                     ("ff_draft/static", "flexfloor_draft_static"))
 
 
 def is_paged(doc: dict) -> bool:
@@ -72,6 +82,11 @@ def format_table(doc: dict) -> str:
       tp = f"{r['tokens_per_occupied_device_second']:.3f}" + (
           f" (paper {PAPER_TOKENS_PER_DEVICE_TIME})" if label == "flexfloor/static" else "")
       lines.append(fmt_row([k, label, tp, f"x{r['throughput']:.3f} faster"]))
+    for label, key in DRAFT_TABLE_PAIRS:
+      if key in ep["ratios"]:
+        r = ep["ratios"][key]
+        lines.append(fmt_row([k, label, f"{r['tokens_per_occupied_device_second']:.3f}",
+                              f"x{r['throughput']:.3f} faster"]))
     for name, r in (("balanced", ep["ratio_balanced"]), ("flexfloor", ep["ratio"])):
       lines.append(fmt_row([k, f"steps {name}/static", dash, dash,
                             format(r["tokens_per_device_step"], ".3f"),
@@ -132,6 +147,8 @@ def summary_lines(doc: dict) -> list[str]:
                f"{', '.join(f'{x:.3f}' for x in q)} (target > 1: past the ceiling)")
   if is_paged(doc):
     out += paged_lines(doc, eps)
+  if any("drafting" in e for e in doc["epochs"]):
+    out += drafting_lines(doc)
   ok = all(all(e["device_steps_match_sim"].values()) for e in doc["epochs"])
   ident = all(all(e["responses_identical"].values()) for e in doc["epochs"])
   out.append(f"sim replay device_steps == measured for every run: {ok}; responses token-identical "
@@ -144,6 +161,49 @@ def summary_lines(doc: dict) -> list[str]:
                f"time within {max(abs(e) for e in errs) * 100:.1f}% (mean "
                f"{sum(errs) / len(errs) * 100:+.1f}%), device_steps exact: "
                f"{all(p['device_steps_exact'] for p in cal['predictions'])}")
+  return out
+
+
+def pct(ratio: float) -> str:
+  """A ratio as a gain: 1.654 -> '+65%'."""
+  return f"{(ratio - 1) * 100:+.0f}%"
+
+
+def drafting_lines(doc: dict) -> list[str]:
+  """Speculative decoding (bench.draft_tokens > 0), per epoch: each schedule's acceptance and mean
+  accepted length, its makespan plain -> drafted; flexfloor over static with both drafting against
+  both decoding plainly (and whether drafting keeps the advantage, within
+  DRAFTING_ADVANTAGE_TOLERANCE); and flexfloor drafting over static decoding plainly, beside the
+  paper's gains against verl."""
+  out = []
+  name = doc["cost_model"]["name"]
+  paper = f"paper: {pct(PAPER_TOKENS_PER_DEVICE_TIME)} / {pct(PAPER_THROUGHPUT)} against verl"
+  for e in doc["epochs"]:
+    if "drafting" not in e:
+      continue
+    k, dr = e["epoch"], e["drafting"]
+    d = e[f"static{DRAFT_SUFFIX}"].get("draft_tokens")
+    acc = ", ".join(f"{n} {r['acceptance']:.3f} / {r['mean_accepted_length']:.2f} "
+                    f"({r['accepted_tokens']} of {r['drafted_tokens']})" for n, r in dr.items())
+    out.append(f"drafting (draft_tokens {d}), epoch {k}: acceptance / mean accepted length "
+               f"(accepted of drafted tokens): {acc}")
+    ms = ", ".join(f"{n} {r['makespan_s']['plain']:.4f} -> {r['makespan_s']['drafted']:.4f} "
+                   f"(x{r['makespan_s']['ratio']:.3f})" for n, r in dr.items())
+    out.append(f"drafting, epoch {k}, {name} seconds: makespan s plain -> drafted: {ms}")
+    both, plain = e["ratios"]["flexfloor_draft_static_draft"], e["ratios"]["flexfloor_static"]
+    out.append(f"drafting, epoch {k}: flexfloor+draft/static+draft tokens per occupied "
+               f"device-second {both['tokens_per_occupied_device_second']:.3f}, throughput "
+               f"{both['throughput']:.3f}; flexfloor/static "
+               f"{plain['tokens_per_occupied_device_second']:.3f}, {plain['throughput']:.3f}; "
+               f"advantage kept (within {DRAFTING_ADVANTAGE_TOLERANCE}): "
+               f"{e['drafting_keeps_advantage']}")
+    r = e["ratios"]["flexfloor_draft_static"]
+    n = int(e["static"]["num_workers"])  # a mean over the repeats: a float
+    out.append(f"drafting, epoch {k}: flexfloor with drafting over static without it on {n} "
+               f"devices: {pct(r['tokens_per_occupied_device_second'])} tokens per occupied "
+               f"device-second, {pct(r['throughput'])} throughput ({paper})")
+  ok = all(all(e.get("drafts_match_sim", {}).values()) for e in doc["epochs"])
+  out.append(f"sim replay drafts as the runs did (drafted and accepted tokens == measured): {ok}")
   return out
 
 
@@ -168,8 +228,7 @@ def paged_lines(doc: dict, eps: list[dict]) -> list[str]:
              f"{p['kv_pool_bytes']} bytes ({p['kv_pages']} pages of {p['page_size']} tokens; "
              f"the fixed-slot cache {p['kv_fixed_slot_bytes']} bytes), max_seqs "
              f"{p['max_seqs_per_worker']}, kv_margin {p['kv_margin']}")
-  names = [n for n in ("static", "balanced", "flexfloor", "release_only", "release_compaction")
-           if all(n in e for e in doc["epochs"])]
+  names = [n for n in SCHEDULES if all(n in e for e in doc["epochs"])]
   for key, label in (("kv_peak_pages", "peak pages"), ("preemptions", "preemptions")):
     per = "; ".join(f"{n} " + ", ".join(str(e[n][key]) for e in doc["epochs"]) for n in names)
     out.append(f"paged KV {label} per epoch {[e['epoch'] for e in doc['epochs']]}: {per}")
@@ -191,7 +250,8 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
       continue
     xs, active, _ = accounting.live_series(tl)
     a.step(xs, active, where="post", label=name,
-           ls={"release_only": "--", "release_compaction": ":"}.get(name, "-"))
+           ls={"release_only": "--", "release_compaction": ":"}.get(
+               name, "-." if name.endswith(DRAFT_SUFFIX) else "-"))
   a.set_xlabel("step (prefill + decode)")
   a.set_ylabel("active workers")
   a.set_title(f"epoch {last}: active workers")
@@ -211,6 +271,10 @@ def plot(doc: dict, timelines: dict, path: str) -> None:
   if all("ratio_release_compaction" in e for e in doc["epochs"]):
     b.plot(ks, [e["ratio_release_compaction"]["tokens_per_device_step"] for e in doc["epochs"]],
            "s--", label="release + compaction / static")
+  if all("flexfloor_draft_static" in e["ratios"] for e in doc["epochs"]):
+    b.plot(ks, [e["ratios"]["flexfloor_draft_static"]["tokens_per_occupied_device_second"]
+                for e in doc["epochs"]], "v-.",
+           label=f"flexfloor+draft/static tok/occ-dev-s ({name})")
   b.axhline(PAPER_TOKENS_PER_DEVICE_TIME, color="gray", ls="-.", label="paper 1.654")
   b.set_xticks(ks)
   b.set_xlabel("epoch")

@@ -261,6 +261,10 @@ class BenchSettings:
   cost_model: str = Custom(doc="'roofline:MODEL@HARDWARE': every run replayed in its seconds")
   seeds: tuple[int, ...] = Custom(default=(), doc="workload seeds (sampling.seed) to run every "
                                   "epoch for: a comma list; '' = sampling.seed alone")
+  draft_tokens: int = Int(0, MAX_DRAFT_TOKENS, default=0, note=" (0 = not)",
+                          doc="speculative decoding: also run static, balanced and flexfloor "
+                          "with rollout.draft_tokens = this, drafting from a response store of "
+                          "the earlier epochs (0 = not)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -308,7 +312,18 @@ class TrainSettings:
 
 def _bench(c, parts: dict) -> BenchSettings:
   r = Reader(c, "")
-  return read(BenchSettings, r, cost_model=_cost_model(r), seeds=_seeds(r))
+  b = read(BenchSettings, r, cost_model=_cost_model(r), seeds=_seeds(r))
+  # the drafted runs take rollout.draft_tokens = draft_tokens: the rollout's own checks
+  # (check_chunk) for it, named by the bench's field
+  ro, d = parts["rollout"], b.draft_tokens
+  if d and ro.max_new_tokens and d >= ro.max_new_tokens:
+    raise ConfigError(f"draft_tokens={d} must be below rollout.max_new_tokens="
+                      f"{ro.max_new_tokens}")
+  if d and ro.prefill_chunk:
+    raise ConfigError(f"draft_tokens={d} with rollout.prefill_chunk={ro.prefill_chunk}: "
+                      "speculative decoding and chunked prefill do not run together; set one of "
+                      "them to 0")
+  return b
 
 
 def _seeds(r: Reader) -> tuple[int, ...]:

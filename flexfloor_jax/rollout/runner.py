@@ -201,7 +201,8 @@ def prepare(config: settings.Settings, *, devices=None, model_cfg=None, tokenize
     history = load_history(config, model_cfg)
   store = None
   if r.draft_tokens:
-    store = response_store or inputs.load_store(config, tokenizer, model_cfg)
+    store = (response_store if response_store is not None
+             else inputs.load_store(config, tokenizer, model_cfg))
 
   if devices is None:
     try:

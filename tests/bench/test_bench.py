@@ -346,3 +346,137 @@ def test_bench_seeds_run_every_epoch_per_seed(paged_bench):
     assert (got["min"], got["max"]) == (xs[0], xs[1])
     assert got["median"] == pytest.approx((xs[0] + xs[1]) / 2, rel=1e-12)
   assert any("over seeds 0,1" in line for line in report.summary_lines(doc))
+
+
+DRAFTED = ("static_draft", "balanced_draft", "flexfloor_draft")
+
+
+@pytest.fixture(scope="module")
+def drafted_bench(tmp_path_factory):
+  """The small bench with speculative decoding (draft_tokens=4) on the tiny random model (no
+  checkpoint): two epochs of static, balanced and flexfloor, plain and drafting, on 2 prompts x 4
+  samples of at most 48 tokens (workload median 16), releasing onto 4 and 2 workers. Random
+  weights sample near-uniform bytes, which no draft matches; at temperature 0.1 a prompt's
+  samples mostly follow its argmax path, so epoch 1 drafts from epoch 0's responses (the store),
+  most drafts right and some wrong."""
+  tmp = tmp_path_factory.mktemp("bench_drafts")
+  c = small_config(tmp)
+  c.draft_tokens = 4
+  c.release_only = False
+  c.rollout.num_prompts = 2
+  c.rollout.samples_per_prompt = 4
+  c.rollout.max_new_tokens = 48
+  c.workload.median = 16.0
+  c.sampling.temperature = 0.1
+  c.scheduler.release_sizes = "4,2"
+  doc, timelines, run_records = runs.run_bench(c, progress=False)
+  report.write_outputs(doc, timelines, run_records, c.output_dir)
+  return c, doc, timelines, run_records
+
+
+def test_drafted_variants():
+  """bench.draft_tokens adds the three schedules drafting; run_config drafts only in them."""
+  c = small_config(pathlib.Path("/nonexistent"))
+  st = settings.load(c, "bench")
+  assert st.bench is not None and st.bench.draft_tokens == 0  # configs/bench.py: no drafting
+  plain = [n for n, _ in runs.variants(st)]
+  assert not any(document.is_drafted(n) for n in plain)
+  c.draft_tokens = 4
+  st = settings.load(c, "bench")
+  vs = dict(runs.variants(st))
+  assert list(vs) == plain + list(DRAFTED)
+  for name in DRAFTED:
+    twin = name.removesuffix("_draft")
+    assert vs[name] == dict(vs[twin], draft=True)
+  for name, v in vs.items():
+    rc = runs.run_config(st, v, 1)
+    assert rc.rollout.draft_tokens == (4 if name in DRAFTED else 0), name
+    assert rc.schedule == v["schedule"] and rc.rollout.epoch == 1
+
+
+@pytest.mark.parametrize("changes, expect", [
+    ({"draft_tokens": 4, "rollout.prefill_chunk": 16},
+     ["draft_tokens=4", "rollout.prefill_chunk=16"]),
+    ({"draft_tokens": 32, "rollout.max_new_tokens": 32},
+     ["draft_tokens=32", "rollout.max_new_tokens=32"])])
+def test_draft_tokens_checked_with_the_rollout(changes, expect):
+  """The drafted runs' rollout.draft_tokens is the bench's draft_tokens: the rollout's checks of
+  it, before any run, naming the bench's field."""
+  c = load_config("bench")
+  c.update_from_flattened_dict(changes)
+  with pytest.raises(ConfigError) as e:
+    settings.load(c, "bench")
+  assert str(e.value).startswith("draft_tokens=") and all(s in str(e.value) for s in expect)
+
+
+def test_drafted_bench_measures_drafting(drafted_bench):
+  """Every drafted run: the same tokens as static, replayed drafting to its own device-steps and
+  drafted and accepted tokens; ep["drafting"] consistent with the runs' measures; flexfloor's
+  ratios with drafting; the summary lines with the paper's figures."""
+  c, doc, timelines, run_records = drafted_bench
+  assert [e["epoch"] for e in doc["epochs"]] == [0, 1]
+  for e in doc["epochs"]:
+    k = e["epoch"]
+    for name in DRAFTED:
+      m = e[name]
+      assert m["draft_tokens"] == 4 and e[name.removesuffix("_draft")]["draft_tokens"] == 0
+      assert m["drafted_tokens"] == m["accepted_tokens"] + m["rejected_tokens"]
+      assert m["sim_device_steps"] == m["device_steps"]
+      assert (m["sim_drafted_tokens"], m["sim_accepted_tokens"]) == (m["drafted_tokens"],
+                                                                    m["accepted_tokens"])
+      assert m["generated_tokens"] == e["static"]["generated_tokens"]
+      assert (name, k) in timelines and (name, k) not in run_records  # no record: module doc
+    assert set(e["responses_identical"]) == {"balanced", "flexfloor", *DRAFTED}
+    assert all(e["responses_identical"].values()), e["responses_identical"]
+    assert all(e["device_steps_match_sim"].values()), e["device_steps_match_sim"]
+    assert set(e["drafts_match_sim"]) == set(DRAFTED) and all(e["drafts_match_sim"].values())
+    dr = e["drafting"]
+    assert set(dr) == {"static", "balanced", "flexfloor"}
+    for n, r in dr.items():
+      p, d = e[n], e[f"{n}_draft"]
+      assert r["drafted_tokens"] == d["drafted_tokens"]
+      assert r["drafted_tokens"] == r["accepted_tokens"] + r["rejected_tokens"]
+      assert r["acceptance"] == (pytest.approx(r["accepted_tokens"] / r["drafted_tokens"])
+                                 if r["drafted_tokens"] else 0.0)
+      assert 0 <= r["acceptance"] <= 1 and r["mean_accepted_length"] >= 0
+      ms = r["makespan_s"]
+      assert (ms["plain"], ms["drafted"]) == (p["makespan_s"], d["makespan_s"])
+      assert ms["ratio"] > 0 and ms["ratio"] == pytest.approx(ms["plain"] / ms["drafted"])
+      od = r["occupied_device_seconds"]
+      assert od["ratio"] == pytest.approx(p["occupied_device_seconds"]
+                                          / d["occupied_device_seconds"])
+      tp = r["tokens_per_occupied_device_second"]
+      assert tp["ratio"] == pytest.approx(d["tokens_per_occupied_device_second"]
+                                          / p["tokens_per_occupied_device_second"])
+    ffd, std = e["flexfloor_draft"], e["static_draft"]
+    for key, a, b in (("flexfloor_draft_static_draft", ffd, std),
+                      ("flexfloor_draft_static", ffd, e["static"])):
+      r = e["ratios"][key]
+      assert r["tokens_per_occupied_device_second"] == pytest.approx(
+          a["tokens_per_occupied_device_second"] / b["tokens_per_occupied_device_second"])
+      assert r["throughput"] == pytest.approx(b["makespan_s"] / a["makespan_s"])
+    both, plain = e["ratios"]["flexfloor_draft_static_draft"], e["ratios"]["flexfloor_static"]
+    assert isinstance(e["drafting_keeps_advantage"], bool)
+    assert e["drafting_keeps_advantage"] == all(
+        both[x] >= plain[x] - document.DRAFTING_ADVANTAGE_TOLERANCE
+        for x in ("tokens_per_occupied_device_second", "throughput"))
+  # epoch 1 drafts from epoch 0's responses (the store), and keeps some of the drafted tokens
+  dr1 = doc["epochs"][1]["drafting"].values()
+  assert sum(r["drafted_tokens"] for r in dr1) > 0 and sum(r["accepted_tokens"] for r in dr1) > 0
+  lines = report.summary_lines(doc)
+  text = "\n".join(lines)
+  assert "paper: +65% / +53% against verl" in text
+  for k in (0, 1):
+    assert any(ln.startswith(f"drafting (draft_tokens 4), epoch {k}: acceptance") for ln in lines)
+    assert any(ln.startswith(f"drafting, epoch {k}: flexfloor with drafting over static "
+                             f"without it on 8 devices") for ln in lines)
+  assert "sim replay drafts as the runs did (drafted and accepted tokens == measured): True" in text
+  assert "responses token-identical to static for every schedule: True" in text
+  table = report.format_table(doc)
+  for name in DRAFTED + ("ff_draft/static_draft", "ff_draft/static"):
+    assert len([ln for ln in table.splitlines() if ln.split()[1:2] == [name]]) == 2, name
+  # published without the drafted runs' records
+  out = pathlib.Path(c.output_dir)
+  assert sorted(p.name for p in (out / "runs").iterdir()) == sorted(
+      f"{n}_e{k}.json" for n in ("static", "balanced", "flexfloor") for k in (0, 1))
+

@@ -210,6 +210,8 @@ BAD = [
     ("bench", "bench", "cost_model", "mixtral-8x7b@h100"),
     ("bench", "bench", "seeds", "0,-1"),
     ("bench", "bench", "seeds", 3),
+    ("bench", "bench", "draft_tokens", -1),
+    ("bench", "bench", "draft_tokens", 65),  # settings.MAX_DRAFT_TOKENS = 64
     ("train", "grpo", "rl.tasks", "sort,fly"),
     ("train", "grpo", "rl.tasks", ""),
     ("train", "grpo", "rl.num_prompts", 0),

@@ -199,3 +199,44 @@ def test_two_processes_match_one_for_each_family(family, tmp_path):
   assert [(r["workers"], r["final"]) for r in s2["releases"]] == \
       [(r["workers"], r["final"]) for r in s1["releases"]]
   _assert_process_logs(two, proc)
+
+
+def _changed_store(rows, path):
+  """A response store holding `rows`' responses with every fifth token changed, as an earlier
+  epoch: drafts that are right up to a changed token and wrong there."""
+  import numpy as np
+
+  from flexfloor_jax.policy.drafts import ResponseStore
+  store = ResponseStore("byte")  # the tiny preset's byte tokenizer
+  changed = []
+  for r in rows:
+    t = np.asarray(r["tokens"], np.int64).copy()
+    t[4::5] = (t[4::5] + 1) % 256
+    changed.append((r["prompt_id"], r["sample"], t))
+  store.add_rollout(0, changed)
+  store.save(path)
+  return path
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_drafting(tmp_path):
+  """Speculative decoding on the paged pool, flexfloor releasing 8 -> 2 -> 1 across the
+  processes: each process drafts from its own copy of the host state and the store, and the
+  responses are plain decoding's; steps, drafted and accepted tokens are one process's."""
+  plain, one, two = (str(tmp_path / n) for n in ("plain", "one", "two"))
+  _rollout(plain, "flexfloor", 1, PAGED)
+  ref, s0 = _load(plain)
+  stores = [_changed_store(ref, str(tmp_path / f"store_{n}.npz")) for n in ("one", "two")]
+  _rollout(one, "flexfloor", 1, PAGED + ["--config.rollout.draft_tokens=4",
+                                        f"--config.rollout.draft_store={stores[0]}"])
+  proc, _ = _rollout(two, "flexfloor", 2, PAGED + ["--config.rollout.draft_tokens=4",
+                                                  f"--config.rollout.draft_store={stores[1]}"])
+  got1, s1 = _load(one)
+  got2, s2 = _load(two)
+  _assert_same_responses(ref, got1)
+  _assert_same_responses(ref, got2)
+  for k in ("generated_tokens", "device_steps", "num_migrations", "drafted_tokens",
+            "accepted_tokens"):
+    assert s2[k] == s1[k], k
+  assert s1["accepted_tokens"] > 0 and s1["device_steps"] < s0["device_steps"]
+  _assert_process_logs(two, proc)

@@ -289,8 +289,8 @@ def test_a_drafted_step_is_priced_as_a_mixed_step():
   """One sequence (prompt 16, length 5) on 1 worker x 4 slots, perfect drafts of 3: a prefill
   step and one decode step that makes the 4 tokens left, priced by hand: the decode step is
   mixed_seconds of 1 row reading 17 cached tokens and 3 verification rows extending its prefix
-  of 17 tokens, as a chunk of 3 input tokens would. The step simulator (RooflineStepCost) and the replay's executor (RooflineCost,
-  one expert placement) agree with it."""
+  of 17 tokens, as a chunk of 3 input tokens would. The step simulator (RooflineStepCost) and
+  the replay's executor (RooflineCost, one expert placement) agree with it."""
   m, hw = presets.MODELS[ROOF[0]], presets.HARDWARE[ROOF[1]]
   seqs = [Seq(0, 'p', 0, 16, 5, 64)]
   resp = responses_for([5])
