@@ -24,7 +24,10 @@ The decision. A drafted token is kept only if every drafted token before it was 
 the leading drafted tokens that equal what plain decoding samples), so at a per-token acceptance
 a the j-th drafted token of a row is kept with probability a^j and a draft cut to k tokens keeps
 a + a^2 + ... + a^k of them on average. `a` is learnt from what the executor reports
-(`observe`): a = (prior_weight * prior_acceptance + kept) / (prior_weight + kept + rejected),
+(`observe`), and from what the rows made after a draft the policy did not send (every drafted
+row is a trial, sent or not, so that a low estimate does not stop drafting, and with it the
+observations, for good): a = (prior_weight * prior_acceptance + kept) / (prior_weight + kept +
+rejected),
 where `rejected` counts the drafts that met a mismatch. The drafted tokens verified after a
 mismatch are not counted as trials: they were lost with the first wrong one whatever they were
 (with raw verified tokens as the denominator `a` would come out low, the more so the longer the
@@ -128,6 +131,9 @@ class DraftPolicy:
     self.verified = self.kept = self.rejected = 0
     self.drafted = self.accepted = 0
     self.evaluations = 0
+    # the drafts the last call cut to nothing: seq id -> (draft, its response tokens then);
+    # what the row made since tells how much of it would have been kept (_learn_unsent)
+    self._unsent: dict[int, tuple[np.ndarray, int]] = {}
     self._seqs: Mapping[int, Seq] | None = None  # the rollout's seqs the families are of
     self._family: dict[str, tuple[int, ...]] = {}  # prompt id -> its seq ids, by sample
     self._siblings: dict[int, tuple[int, ...]] = {}
@@ -164,6 +170,7 @@ class DraftPolicy:
                         f'{type(drafter).__name__}')
       self.drafter = drafter
     self.drafted = self.accepted = 0
+    self._unsent = {}
     self._seqs, self._family, self._siblings = None, {}, {}
 
   # ---------------------------------------------------------------------------- drafting
@@ -175,6 +182,7 @@ class DraftPolicy:
     it stops paying (module doc); all of them whole without a cost model. One draft_rows call."""
     del max_steps  # the drafts are verified in the dispatch's first step: that step is priced
     self.evaluations = 0
+    self._learn_unsent(responses)
     if not responses:
       return {}
     if self._seqs is not st.seqs:
@@ -187,7 +195,29 @@ class DraftPolicy:
               for r, d in zip(rows, got, strict=True) if len(d)}
     if self.cost is None or not drafts:
       return drafts
-    return self._priced(st, drafts)
+    out = self._priced(st, drafts)
+    self._unsent = {q: (d, len(responses[q])) for q, d in drafts.items() if q not in out}
+    return out
+
+  def _learn_unsent(self, responses: Mapping[int, np.ndarray]) -> None:
+    """What the drafts the last call cut to nothing would have kept: the tokens each such row
+    made since, against its draft, as `observe` counts a verified one (the leading equal tokens
+    kept, a mismatch one rejection). Without it a low estimate would stop all drafting, and with
+    it every observation, for good; the tokens made are plain decoding's either way. A row that
+    has finished since is not seen (its last tokens are not in `responses`)."""
+    for q, (d, g0) in self._unsent.items():
+      r = responses.get(q)
+      if r is None:
+        continue
+      made = np.asarray(r[g0:])
+      n = min(len(d), len(made))
+      if n == 0:
+        continue
+      same = d[:n] == made[:n]
+      kept = n if bool(same.all()) else int(np.argmin(same))
+      self.kept += kept
+      self.rejected += kept < n
+    self._unsent = {}
 
   def _families(self, seqs: Mapping[int, Seq]) -> None:
     """Each prompt's seq ids, by sample: once per rollout (its seqs dict)."""

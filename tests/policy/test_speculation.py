@@ -271,3 +271,33 @@ def test_imports_no_jax():
   r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
   assert r.returncode == 0, r.stderr
   assert r.stdout.strip() == '[]'
+
+
+def test_drafts_not_sent_still_teach_the_estimate():
+  """A policy that has seen only mismatches sends nothing under a mild cost; the rows then make
+  exactly what the unsent drafts said, dispatch after dispatch: those count as kept, the
+  estimate climbs back and drafts go out again. Rows that make other tokens teach mismatches."""
+  st, store, _ = _rollout([1, 1])
+  pol = _policy(store, Mild())
+  _never(pol)
+  low = pol.acceptance
+  sent_at = None
+  for made in range(CTX, CTX + 60, D):  # each dispatch the rows make D tokens, as stored
+    for q in (0, 1):
+      st.generated[q] = made
+    if pol.drafts(st, {q: _stored(q)[:made] for q in (0, 1)}, 8):
+      sent_at = made
+      break
+  assert pol.acceptance > low and sent_at is not None
+  # the same, but the rows make other tokens than the drafts: the estimate only falls
+  st, store, _ = _rollout([1, 1])
+  pol = _policy(store, Mild())
+  _never(pol)
+  before = pol.acceptance
+  for made in range(CTX, CTX + 30, D):
+    for q in (0, 1):
+      st.generated[q] = made
+    resp = {q: np.concatenate([_stored(q)[:CTX], -1 - np.arange(made - CTX, dtype=np.int32)])
+            for q in (0, 1)}
+    assert pol.drafts(st, resp, 8) == {}
+  assert pol.acceptance < before
