@@ -181,6 +181,16 @@ class CompileCounter:
     return len(self.messages) + len(self.events)
 
 
+def family_model(preset: str):
+  """(config, params) of a preset's tiny model for the engine's rollout tests: TINY for 'tiny',
+  else the preset cut to 2 layers (its sliding layers among them kept)."""
+  if preset == "tiny":
+    return TINY, make_params()
+  cfg = PRESETS[preset]
+  cfg = cfg.replace(num_layers=2, sliding_layers=tuple(i for i in cfg.sliding_layers if i < 2))
+  return cfg, tfm.init_params(cfg, jax.random.key(5), scale=0.1)
+
+
 def rollout_config():
   """The tiny preset at the shapes engine/test_elastic.py compiles: 16 sequences, 32 new
   tokens."""

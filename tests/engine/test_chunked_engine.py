@@ -8,20 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.rollout import runner
 
 BOUND = 32  # the compiled bound of both chunks: the tiny prompts hold 15-33 tokens
 CHUNKS = (16, 32)  # one page and two: prompts of 17-33 tokens span two or three steps
-
-
-def _model(preset: str):
-  cfg = PRESETS[preset]
-  if preset == "tiny":
-    return engine_utils.TINY, engine_utils.make_params()
-  cfg = cfg.replace(num_layers=2, sliding_layers=tuple(i for i in cfg.sliding_layers if i < 2))
-  return cfg, tfm.init_params(cfg, jax.random.key(5), scale=0.1)
 
 
 def _config(preset: str, kv: str, tmp_path, release_sizes: str = "2"):
@@ -69,7 +59,7 @@ def test_responses_identical_across_schedules_meshes_and_chunks(preset, kv, size
   (releasing to 2 and 1, migrating live sequences) with chunks of 32, balanced on 3 with 16 and
   static on 1 with 32 give every response's tokens and log-probs bit for bit; no step ran input
   tokens without decoding while a row was live."""
-  model = _model(preset)
+  model = engine_utils.family_model(preset)
   c = _config(preset, kv, tmp_path, sizes)
   runs = {name: _run(c, model, tmp_path, name, step_caches, schedule=s, workers=n, chunk=ch)
           for name, s, n, ch in (("static8", "static", 8, CHUNKS[0]),
@@ -98,7 +88,7 @@ def test_chunked_log_probs_match_the_one_shot_prefill(tmp_path, step_caches):
   """The same rollout with one-shot prefill steps: the same tokens, log-probs within 1e-5 (a
   prompt token's attention runs as a one-token query over the cache instead of the prompt's
   own causal attention), and the one-shot run stalls live rows in prefill steps."""
-  model = _model("tiny")
+  model = engine_utils.family_model("tiny")
   c = _config("tiny", "slots", tmp_path)
   chunked = _run(c, model, tmp_path, "chunked", step_caches, schedule="static", workers=8,
                  chunk=CHUNKS[0])
@@ -121,7 +111,7 @@ def test_ring_and_latent_caches_take_chunks(preset, kv, tmp_path, step_caches):
   """The other families: GPT-OSS's sliding layers (rings of window + chunk - 1 positions) and
   DeepSeek-V3's latent cache take the same chunks: static with chunks of 16 and flexfloor (with
   releases) with 32 give the same tokens and log-probs, bit for bit."""
-  model = _model(preset)
+  model = engine_utils.family_model(preset)
   c = _config(preset, kv, tmp_path)
   static = _run(c, model, tmp_path, "static", step_caches, schedule="static", workers=8,
                 chunk=CHUNKS[0])

@@ -12,20 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import PRESETS
 from flexfloor_jax.policy.drafts import ResponseStore
 from flexfloor_jax.rollout import runner
 
 DRAFT = 4
-
-
-def _model(preset: str):
-  if preset == "tiny":
-    return engine_utils.TINY, engine_utils.make_params()
-  cfg = PRESETS[preset]
-  cfg = cfg.replace(num_layers=2, sliding_layers=tuple(i for i in cfg.sliding_layers if i < 2))
-  return cfg, tfm.init_params(cfg, jax.random.key(5), scale=0.1)
 
 
 def _config(preset: str, kv: str, tmp_path, release_sizes: str = "2"):
@@ -94,7 +84,7 @@ def test_drafting_keeps_every_token(preset, kv, sizes, tmp_path, step_caches):
   """Plain static decoding on 8 workers against drafting on 8 (static, and flexfloor releasing
   and migrating live sequences), on 3 (balanced) and on 1 (static): the same tokens and
   log-probs, bit for bit, in fewer steps."""
-  model = _model(preset)
+  model = engine_utils.family_model(preset)
   c = _config(preset, kv, tmp_path, sizes)
   plain = _run(c, model, tmp_path, "plain", step_caches, schedule="static", workers=8, draft=0)
   ref = _by_key(plain)
@@ -120,7 +110,7 @@ def test_drafting_keeps_every_token(preset, kv, sizes, tmp_path, step_caches):
 def test_other_family_with_rings(tmp_path, step_caches):
   """GPT-OSS: sliding layers whose rings hold window + draft_tokens positions; static and
   flexfloor with drafting give plain decoding's tokens and log-probs."""
-  model = _model("gpt-oss-tiny")
+  model = engine_utils.family_model("gpt-oss-tiny")
   c = _config("gpt-oss-tiny", "slots", tmp_path)
   plain = _run(c, model, tmp_path, "plain", step_caches, schedule="static", workers=8, draft=0)
   ref = _by_key(plain)

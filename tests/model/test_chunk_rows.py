@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from model_utils import noisy_params, random_cache
 
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
@@ -66,28 +67,6 @@ CONT = 3  # decode steps after the prompt
 TOL = 1e-5
 
 Store = tfm.KVCache | paged.PagedKVCache
-
-
-def _params(cfg: ModelConfig, seed: int):
-  """Random weights and biases (scale 0.1: logits not flat) and random norms (not ones), so a
-  norm or bias that a path dropped would show."""
-  p = tfm.init_params(cfg, jax.random.key(seed), scale=0.1)
-  keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
-
-  def noisy(path, x):
-    if str(getattr(path[-1], "key", "")).endswith("norm"):
-      return x * (1 + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype))
-    return x
-
-  return jax.tree_util.tree_map_with_path(noisy, p)
-
-
-def _garbage(cache, seed: int):
-  """`cache` with every value random: what stale rows of earlier sequences leave."""
-  leaves, tree = jax.tree.flatten(cache)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
-                                   for k, x in zip(keys, leaves, strict=True)])
 
 
 @dataclasses.dataclass
@@ -156,7 +135,7 @@ def _empty(cfg: ModelConfig, kind: str, chunk: int = C):
 def _case(family: str, kind: str, chunk: int = C) -> Case:
   cfg = FAMILIES[family]
   seed = sorted(FAMILIES).index(family)
-  params = _params(cfg, seed)
+  params = noisy_params(cfg, seed)
   rng = np.random.default_rng(100 + seed)
   step, prefill, insert = _jitted(cfg, kind)
   prompt = rng.integers(3, cfg.vocab_size, P)
@@ -169,7 +148,7 @@ def _case(family: str, kind: str, chunk: int = C) -> Case:
   lengths = np.array([*DEC_LENGTHS, P], np.int32)
   logits, k, v = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths))
   table = rng.permutation(NUM_PAGES)[:N_ROWS * M].reshape(N_ROWS, M).astype(np.int32)
-  garbage = _garbage(_empty(cfg, kind, chunk), seed)
+  garbage = random_cache(_empty(cfg, kind, chunk), seed)
   rows = np.array([*DEC_ROWS, PROMPT_ROW], np.int32)
 
   def prefilled(with_prompt: bool):

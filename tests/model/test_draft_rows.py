@@ -36,6 +36,7 @@ import functools
 import jax
 import numpy as np
 import pytest
+from model_utils import noisy_params, random_cache
 
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
@@ -84,31 +85,9 @@ _DECODE = jax.jit(tfm.decode, static_argnums=1)
 _DECODE_PAGED = jax.jit(paged.decode_paged, static_argnums=1)
 
 
-def _params(cfg: ModelConfig, seed: int):
-  """Random weights and biases (scale 0.1: logits not flat) and random norms (not ones), so a
-  norm or bias that a path dropped would show."""
-  p = tfm.init_params(cfg, jax.random.key(seed), scale=0.1)
-  keys = iter(jax.random.split(jax.random.key(seed + 1), 64))
-
-  def noisy(path, x):
-    if str(getattr(path[-1], "key", "")).endswith("norm"):
-      return x * (1 + 0.3 * jax.random.normal(next(keys), x.shape, x.dtype))
-    return x
-
-  return jax.tree_util.tree_map_with_path(noisy, p)
-
-
-def _garbage(cache, seed: int):
-  """`cache` with every value random: the live sequences' history and stale rows."""
-  leaves, tree = jax.tree.flatten(cache)
-  keys = jax.random.split(jax.random.key(seed), len(leaves))
-  return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape, x.dtype)
-                                   for k, x in zip(keys, leaves, strict=True)])
-
-
 @functools.cache
 def _family_params(family: str):
-  return _params(FAMILIES[family], 10 * sorted(FAMILIES).index(family))
+  return noisy_params(FAMILIES[family], 10 * sorted(FAMILIES).index(family))
 
 
 def _same(got, want, what: str):
@@ -209,7 +188,7 @@ def _case(family: str, kind: str, q: int) -> Case:
   else:
     empty = paged.PagedKVCache.zeros(cfg, num_pages, PAGE, rows=q, max_len=S, chunk=CHUNK)
   return Case(family, cfg, kind, q, _family_params(family), tokens, wrong, table,
-              _garbage(empty, seed))
+              random_cache(empty, seed))
 
 
 def _plain_feeds(case: Case, seqs, k: int) -> Feeds:
