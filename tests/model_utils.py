@@ -6,7 +6,19 @@ from __future__ import annotations
 import jax
 
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import ModelConfig
+from flexfloor_jax.model.config import PRESETS, ModelConfig
+
+# Each family's tiny preset. GPT-OSS's window is cut to 6 so that its rings (the window + the
+# query rows one sequence has in a step, less one) wrap within the steps of the tests; Mixtral
+# also runs with a window on every layer (every layer a ring, no full layer: the other branch of
+# the ring decode).
+FAMILIES: dict[str, ModelConfig] = {
+    "mixtral": PRESETS["tiny"],
+    "mixtral-sliding": PRESETS["tiny"].replace(sliding_window=6),
+    "qwen3-moe": PRESETS["qwen3-tiny"],
+    "gpt-oss": PRESETS["gpt-oss-tiny"].replace(sliding_window=6),
+    "deepseek-v3": PRESETS["deepseek-v3-tiny"],
+}
 
 
 def noisy_params(cfg: ModelConfig, seed: int):

@@ -251,12 +251,16 @@ class Engine:
   def _pending_slots(self) -> set[tuple[int, int]]:
     return {(w, ent[0]) for w, lst in self._pending.items() for ent in lst}
 
+  def _slot_of(self) -> dict[int, tuple[int, int]]:
+    """Occupied seq id -> its (worker, decode slot): _seq_in_slot inverted."""
+    return {sid: ws for ws, sid in self._seq_in_slot.items()}
+
   def responses(self, seq_ids: Sequence[int]) -> dict[int, np.ndarray]:
     """The response tokens each of these live sequences has made so far (speculative decoding's
     drafts continue them): one read of the outputs."""
     scalars, toks = self._read(self.state.scalars, self.state.out_tokens)
     b, n_col = self.spec.slots_per_worker, state_lib.SCALAR_COLS.index("n_gen")
-    where = {sid: ws for ws, sid in self._seq_in_slot.items()}
+    where = self._slot_of()
     out = {}
     for sid in seq_ids:
       w, s = where[sid]
@@ -270,7 +274,7 @@ class Engine:
     """[active workers, B, 1 + D] the drafts by slot: length, then tokens."""
     d_n, b = self.spec.draft_tokens, self.spec.slots_per_worker
     out = np.zeros((len(self.active), b, 1 + d_n), np.int32)
-    where = {sid: ws for ws, sid in self._seq_in_slot.items()}
+    where = self._slot_of()
     for sid, d in drafts.items():
       d = np.asarray(d, np.int32).reshape(-1)
       if len(d) > d_n:
@@ -346,7 +350,8 @@ class Engine:
                     ) -> dict[int, np.ndarray]:
     """The drafts still alive after a dispatch's first device call, moved past the tokens it made
     (its drafts' places start over with each call)."""
-    live = [sid for sid in drafts if sid in self._seq_in_slot.values()]
+    where = self._slot_of()
+    live = [sid for sid in drafts if sid in where]
     got = self.responses(live)
     out = {}
     for sid in live:
@@ -363,7 +368,8 @@ class Engine:
       return
     self.dispatch_report = {sid: (self._generated[sid] - before[sid], *tally[sid])
                             for sid in live0}
-    for sid in [s for s in self._generated if s not in self._seq_in_slot.values()]:
+    where = self._slot_of()
+    for sid in [s for s in self._generated if s not in where]:
       del self._generated[sid]
 
   def _first_output_on_new_mesh(self, out):

@@ -30,22 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_utils import noisy_params, random_cache
+from model_utils import FAMILIES, noisy_params, random_cache
 
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import PRESETS, ModelConfig
+from flexfloor_jax.model.config import ModelConfig
 
-# Each family's tiny preset. GPT-OSS's window is cut to 6 so that its rings (6 + C - 1 = 10
-# positions) wrap twice within the prompt; Mixtral also runs with a window on every layer (every
-# layer a ring, no full layer: the other branch of the ring decode).
-FAMILIES: dict[str, ModelConfig] = {
-    "mixtral": PRESETS["tiny"],
-    "mixtral-sliding": PRESETS["tiny"].replace(sliding_window=6),
-    "qwen3-moe": PRESETS["qwen3-tiny"],
-    "gpt-oss": PRESETS["gpt-oss-tiny"].replace(sliding_window=6),
-    "deepseek-v3": PRESETS["deepseek-v3-tiny"],
-}
 KINDS = ("slots", "paged")
 
 Q = 8  # query rows per step

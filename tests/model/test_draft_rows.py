@@ -36,22 +36,12 @@ import functools
 import jax
 import numpy as np
 import pytest
-from model_utils import noisy_params, random_cache
+from model_utils import FAMILIES, noisy_params, random_cache
 
 from flexfloor_jax.model import paged
 from flexfloor_jax.model import transformer as tfm
-from flexfloor_jax.model.config import PRESETS, ModelConfig
+from flexfloor_jax.model.config import ModelConfig
 
-# The families of tests/model/test_chunk_rows.py: GPT-OSS's window cut to 6 so that its rings
-# (6 + D positions) wrap within the steps here; Mixtral also with a window on every layer (every
-# layer a ring, no full layer: the other branch of the ring decode).
-FAMILIES: dict[str, ModelConfig] = {
-    "mixtral": PRESETS["tiny"],
-    "mixtral-sliding": PRESETS["tiny"].replace(sliding_window=6),
-    "qwen3-moe": PRESETS["qwen3-tiny"],
-    "gpt-oss": PRESETS["gpt-oss-tiny"].replace(sliding_window=6),
-    "deepseek-v3": PRESETS["deepseek-v3-tiny"],
-}
 KINDS = ("slots", "paged")
 WIDTHS = (4, 8)  # compiled decode widths: the engine compiles one per run, each must hold
 
